@@ -1,0 +1,241 @@
+//! The archive stage and its Parquet writer.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use arrow::record_batch::RecordBatch;
+use async_trait::async_trait;
+use parquet::arrow::ArrowWriter;
+use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::properties::WriterProperties;
+use serde::Deserialize;
+use streamrl_runtime::{Emitter, Input, Stage, StageError};
+use streamrl_schemas::SchemaId;
+
+use crate::{Error, Result};
+
+/// Configuration of the archive stage (`stages.archive.config` in topology.yaml).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ArchiveConfig {
+    /// Write a topic's buffered rows once this many have accumulated.
+    pub flush_rows: usize,
+    /// Write buffered rows at least this often, in seconds.
+    pub flush_seconds: f64,
+    /// Zstandard level of the Parquet files (1–22).
+    pub zstd_level: i32,
+}
+
+impl Default for ArchiveConfig {
+    fn default() -> Self {
+        ArchiveConfig {
+            flush_rows: 10_000,
+            flush_seconds: 5.0,
+            zstd_level: 3,
+        }
+    }
+}
+
+impl ArchiveConfig {
+    /// Every problem with the values, at once.
+    pub fn problems(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if self.flush_rows == 0 {
+            v.push("flush_rows must be at least 1".into());
+        }
+        if !self.flush_seconds.is_finite() || self.flush_seconds <= 0.0 {
+            v.push(format!("flush_seconds must be positive, got {}", self.flush_seconds));
+        }
+        if !(1..=22).contains(&self.zstd_level) {
+            v.push(format!("zstd_level must be 1..=22, got {}", self.zstd_level));
+        }
+        v
+    }
+}
+
+struct Buffer {
+    schema: SchemaId,
+    batches: Vec<RecordBatch>,
+    rows: usize,
+    since: Instant,
+}
+
+/// Buffers batches per topic and writes them as Parquet files, atomically.
+pub struct ArchiveWriter {
+    dir: PathBuf,
+    instance: String,
+    cfg: ArchiveConfig,
+    buffers: BTreeMap<String, Buffer>,
+    seq: u64,
+    /// Files written so far.
+    pub files_written: u64,
+}
+
+impl ArchiveWriter {
+    /// A writer for `<run_dir>/archive/`.
+    pub fn new(run_dir: &Path, instance: &str, cfg: ArchiveConfig) -> Self {
+        ArchiveWriter {
+            dir: run_dir.join("archive"),
+            instance: instance.to_string(),
+            cfg,
+            buffers: BTreeMap::new(),
+            seq: 0,
+            files_written: 0,
+        }
+    }
+
+    /// Buffers a batch; returns true when the topic reached `flush_rows`.
+    pub fn append(&mut self, topic: &str, schema: SchemaId, batch: RecordBatch) -> bool {
+        let b = self.buffers.entry(topic.to_string()).or_insert_with(|| Buffer {
+            schema,
+            batches: Vec::new(),
+            rows: 0,
+            since: Instant::now(),
+        });
+        if b.batches.is_empty() {
+            b.since = Instant::now();
+        }
+        b.rows += batch.num_rows();
+        b.batches.push(batch);
+        b.rows >= self.cfg.flush_rows
+    }
+
+    /// Whether any buffer is older than `flush_seconds`.
+    pub fn due(&self) -> bool {
+        let max = Duration::from_secs_f64(self.cfg.flush_seconds);
+        self.buffers
+            .values()
+            .any(|b| !b.batches.is_empty() && b.since.elapsed() >= max)
+    }
+
+    /// Rows buffered and not yet written.
+    pub fn buffered_rows(&self) -> usize {
+        self.buffers.values().map(|b| b.rows).sum()
+    }
+
+    /// Writes every non-empty buffer to its own file.
+    pub fn flush_all(&mut self) -> Result<()> {
+        let topics: Vec<String> = self.buffers.keys().cloned().collect();
+        for t in topics {
+            self.flush_topic(&t)?;
+        }
+        Ok(())
+    }
+
+    fn flush_topic(&mut self, topic: &str) -> Result<()> {
+        let Some(buf) = self.buffers.get_mut(topic) else {
+            return Ok(());
+        };
+        if buf.batches.is_empty() {
+            return Ok(());
+        }
+        let dir = self.dir.join(topic);
+        std::fs::create_dir_all(&dir).map_err(|e| Error::Io {
+            op: "creating",
+            path: dir.display().to_string(),
+            source: e,
+        })?;
+        self.seq += 1;
+        let name = format!(
+            "part-{}-{}-{:06}.parquet",
+            self.instance,
+            streamrl_schemas::now_millis(),
+            self.seq
+        );
+        let final_path = dir.join(&name);
+        let tmp = dir.join(format!(".{name}.tmp"));
+        let perr = |e: parquet::errors::ParquetError| Error::Parquet {
+            path: tmp.display().to_string(),
+            reason: e.to_string(),
+        };
+        let props = WriterProperties::builder()
+            .set_compression(Compression::ZSTD(
+                ZstdLevel::try_new(self.cfg.zstd_level).map_err(perr)?,
+            ))
+            .set_key_value_metadata(Some(vec![parquet::file::metadata::KeyValue::new(
+                "streamrl.schema".to_string(),
+                buf.schema.name().to_string(),
+            )]))
+            .build();
+        let file = std::fs::File::create(&tmp).map_err(|e| Error::Io {
+            op: "creating",
+            path: tmp.display().to_string(),
+            source: e,
+        })?;
+        let mut w = ArrowWriter::try_new(file, buf.schema.schema(), Some(props)).map_err(perr)?;
+        for b in &buf.batches {
+            w.write(b).map_err(perr)?;
+        }
+        let file = w.into_inner().map_err(perr)?;
+        file.sync_all().map_err(|e| Error::Io {
+            op: "syncing",
+            path: tmp.display().to_string(),
+            source: e,
+        })?;
+        std::fs::rename(&tmp, &final_path).map_err(|e| Error::Io {
+            op: "renaming into",
+            path: final_path.display().to_string(),
+            source: e,
+        })?;
+        buf.batches.clear();
+        buf.rows = 0;
+        self.files_written += 1;
+        Ok(())
+    }
+}
+
+/// The archive stage: subscribes to topics, writes them to Parquet, acknowledges inputs
+/// only once their rows are in a renamed file.
+pub struct ArchiveStage {
+    writer: ArchiveWriter,
+}
+
+impl ArchiveStage {
+    /// Builds the stage for `run_dir`.
+    pub fn build(cfg: ArchiveConfig, run_dir: &Path, instance: &str) -> std::result::Result<Self, Vec<String>> {
+        let p = cfg.problems();
+        if !p.is_empty() {
+            return Err(p);
+        }
+        Ok(ArchiveStage {
+            writer: ArchiveWriter::new(run_dir, instance, cfg),
+        })
+    }
+
+    fn flush(&mut self, out: &mut Emitter) -> Result<(), StageError> {
+        self.writer
+            .flush_all()
+            .map_err(|e| StageError::transient(e.to_string()))?;
+        out.release_held();
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Stage for ArchiveStage {
+    async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
+        let full = self.writer.append(&input.topic, input.schema, input.batch);
+        out.hold();
+        // A failed write is not this input's fault and must not append it twice on retry:
+        // the rows stay buffered (and held) and the next tick retries the write.
+        if full && let Err(e) = self.flush(out) {
+            tracing::warn!(error = %e, "archive flush failed; retrying on the next tick");
+        }
+        Ok(())
+    }
+
+    fn tick_interval(&self) -> Option<Duration> {
+        Some(Duration::from_secs_f64(
+            (self.writer.cfg.flush_seconds / 4.0).clamp(0.05, 1.0),
+        ))
+    }
+
+    async fn tick(&mut self, out: &mut Emitter) -> Result<(), StageError> {
+        if self.writer.due() { self.flush(out) } else { Ok(()) }
+    }
+
+    async fn close(&mut self, out: &mut Emitter) -> Result<(), StageError> {
+        self.flush(out)
+    }
+}

@@ -1,0 +1,686 @@
+//! `kafka://host:port[,host:port][?param=value...]` — any Kafka-compatible cluster, via
+//! rdkafka (bundled librdkafka).
+//!
+//! * Producers are idempotent (`enable.idempotence=true`, `acks=all`); the partition is
+//!   computed here with the same murmur2 hash as the memory bus and the Java client.
+//! * Consumers use `enable.auto.offset.store=false`: an offset is stored only when the
+//!   message is acknowledged (after its outputs were delivered) and only up to the first
+//!   unacknowledged offset; stored offsets are auto-committed every second, committed
+//!   synchronously when partitions are revoked, and on [`Consumer::close`].
+//! * Broadcast readers assign every partition manually from the beginning (no group).
+//!
+//! URL parameters: `queue_kbytes` (producer in-flight bound, default 65536),
+//! `session_timeout_ms` (default 10000), `max_message_bytes` (default 16 MiB).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::FutureExt;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+
+use super::ack::PartitionAcks;
+use super::{
+    Bus, Capabilities, Consumer, Delivery, DeliveryFuture, Message, MessageId, PartitionStats, Producer, Record,
+    TopicSpec, partition_for_key,
+};
+use crate::{Error, Result};
+
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+fn kerr(op: &'static str) -> impl Fn(KafkaError) -> Error {
+    move |e| Error::Kafka {
+        op,
+        reason: e.to_string(),
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Options {
+    brokers: String,
+    queue_kbytes: u64,
+    session_timeout_ms: u64,
+    max_message_bytes: usize,
+}
+
+/// A Kafka cluster.
+pub struct KafkaBus {
+    url: String,
+    opts: Options,
+    admin: AdminClient<DefaultClientContext>,
+    /// Partition counts seen, so producers can hash keys themselves.
+    partitions: Arc<Mutex<HashMap<String, u32>>>,
+    /// Bytes handed to producers of this process and not yet acknowledged, per topic.
+    in_flight: Arc<Mutex<HashMap<String, Arc<AtomicU64>>>>,
+}
+
+impl KafkaBus {
+    /// Connects to the cluster of `url` (checks that brokers answer).
+    pub async fn connect(url: &str) -> Result<KafkaBus> {
+        let (base, params) = super::query_params(url)?;
+        let brokers = base
+            .strip_prefix("kafka://")
+            .unwrap_or("")
+            .trim_end_matches('/')
+            .to_string();
+        if brokers.is_empty() {
+            return Err(Error::InvalidUrl {
+                url: url.into(),
+                reason: "no broker address (kafka://host:port)".into(),
+            });
+        }
+        let mut opts = Options {
+            brokers,
+            queue_kbytes: 65536,
+            session_timeout_ms: 10_000,
+            max_message_bytes: 16 << 20,
+        };
+        for (k, v) in params {
+            let num = |v: &str| -> Result<u64> {
+                v.parse().map_err(|_| Error::InvalidUrl {
+                    url: url.into(),
+                    reason: format!("`{k}={v}` is not a number"),
+                })
+            };
+            match k.as_str() {
+                "queue_kbytes" => opts.queue_kbytes = num(&v)?,
+                "session_timeout_ms" => opts.session_timeout_ms = num(&v)?,
+                "max_message_bytes" => opts.max_message_bytes = num(&v)? as usize,
+                other => {
+                    return Err(Error::InvalidUrl {
+                        url: url.into(),
+                        reason: format!(
+                            "unknown parameter `{other}` (known: queue_kbytes, session_timeout_ms, max_message_bytes)"
+                        ),
+                    });
+                }
+            }
+        }
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", &opts.brokers)
+            .create()
+            .map_err(kerr("creating admin client"))?;
+        let bus = KafkaBus {
+            url: url.to_string(),
+            opts,
+            admin,
+            partitions: Default::default(),
+            in_flight: Default::default(),
+        };
+        let probe = bus.base_consumer(None)?;
+        tokio::task::spawn_blocking(move || probe.fetch_metadata(None, TIMEOUT))
+            .await
+            .map_err(|e| Error::Kafka {
+                op: "fetching metadata",
+                reason: e.to_string(),
+            })?
+            .map_err(|e| Error::Kafka {
+                op: "reaching brokers",
+                reason: format!("{e} (url {url})"),
+            })?;
+        Ok(bus)
+    }
+
+    fn consumer_config(&self, group: &str) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &self.opts.brokers)
+            .set("group.id", group)
+            .set("enable.auto.commit", "true")
+            .set("auto.commit.interval.ms", "1000")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("session.timeout.ms", self.opts.session_timeout_ms.to_string())
+            .set(
+                "heartbeat.interval.ms",
+                (self.opts.session_timeout_ms / 5).max(100).to_string(),
+            )
+            .set("fetch.wait.max.ms", "50")
+            .set("fetch.max.bytes", (self.opts.max_message_bytes * 4).to_string())
+            .set(
+                "max.partition.fetch.bytes",
+                (self.opts.max_message_bytes * 2).to_string(),
+            )
+            .set(
+                "receive.message.max.bytes",
+                (self.opts.max_message_bytes * 4 + 1024 * 1024).to_string(),
+            );
+        c
+    }
+
+    fn base_consumer(&self, group: Option<&str>) -> Result<BaseConsumer> {
+        let mut c = self.consumer_config(group.unwrap_or("streamrl-admin"));
+        c.set("enable.auto.commit", "false");
+        c.create().map_err(kerr("creating consumer"))
+    }
+
+    async fn partition_count(&self, topic: &str) -> Result<u32> {
+        if let Some(n) = self.partitions.lock().unwrap_or_else(|p| p.into_inner()).get(topic) {
+            return Ok(*n);
+        }
+        let c = self.base_consumer(None)?;
+        let t = topic.to_string();
+        let n = tokio::task::spawn_blocking(move || -> Result<u32> {
+            let md = c.fetch_metadata(Some(&t), TIMEOUT).map_err(kerr("fetching metadata"))?;
+            let mt = md.topics().iter().find(|x| x.name() == t);
+            match mt {
+                Some(mt) if mt.error().is_none() && !mt.partitions().is_empty() => Ok(mt.partitions().len() as u32),
+                _ => Err(Error::UnknownTopic(t.clone())),
+            }
+        })
+        .await
+        .map_err(|e| Error::Kafka {
+            op: "fetching metadata",
+            reason: e.to_string(),
+        })??;
+        self.partitions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(topic.to_string(), n);
+        Ok(n)
+    }
+
+    fn in_flight_counter(&self, topic: &str) -> Arc<AtomicU64> {
+        self.in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(topic.to_string())
+            .or_default()
+            .clone()
+    }
+}
+
+#[async_trait]
+impl Bus for KafkaBus {
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            blocks_on_unconsumed: false,
+            max_record_bytes: self.opts.max_message_bytes,
+        }
+    }
+
+    async fn create_topic(&self, spec: &TopicSpec) -> Result<()> {
+        let max = self.opts.max_message_bytes.to_string();
+        let topic = NewTopic::new(&spec.name, spec.partitions as i32, TopicReplication::Fixed(1))
+            .set("max.message.bytes", &max);
+        let res = self
+            .admin
+            .create_topics([&topic], &AdminOptions::new().operation_timeout(Some(TIMEOUT)))
+            .await
+            .map_err(kerr("creating topic"))?;
+        for r in res {
+            match r {
+                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((name, code)) => {
+                    return Err(Error::Kafka {
+                        op: "creating topic",
+                        reason: format!("`{name}`: {code}"),
+                    });
+                }
+            }
+        }
+        // Metadata can lag creation; wait until the partitions are visible.
+        let deadline = tokio::time::Instant::now() + TIMEOUT;
+        loop {
+            self.partitions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&spec.name);
+            match self.partition_count(&spec.name).await {
+                Ok(n) if n == spec.partitions => return Ok(()),
+                Ok(n) => {
+                    return Err(Error::PartitionMismatch {
+                        topic: spec.name.clone(),
+                        existing: n,
+                        wanted: spec.partitions,
+                    });
+                }
+                Err(e) if tokio::time::Instant::now() > deadline => return Err(e),
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+
+    async fn topics(&self) -> Result<Vec<String>> {
+        let c = self.base_consumer(None)?;
+        tokio::task::spawn_blocking(move || {
+            let md = c.fetch_metadata(None, TIMEOUT).map_err(kerr("fetching metadata"))?;
+            let mut v: Vec<String> = md
+                .topics()
+                .iter()
+                .map(|t| t.name().to_string())
+                .filter(|n| !n.starts_with("__"))
+                .collect();
+            v.sort();
+            Ok(v)
+        })
+        .await
+        .map_err(|e| Error::Kafka {
+            op: "fetching metadata",
+            reason: e.to_string(),
+        })?
+    }
+
+    async fn producer(&self, client_id: &str) -> Result<Arc<dyn Producer>> {
+        let producer: FutureProducer = ClientConfig::new()
+            .set("bootstrap.servers", &self.opts.brokers)
+            .set("client.id", client_id)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("linger.ms", "5")
+            .set("compression.type", "none") // payloads are already zstd/lz4 Arrow IPC
+            .set(
+                "message.max.bytes",
+                (self.opts.max_message_bytes + 64 * 1024).to_string(),
+            )
+            .set("queue.buffering.max.kbytes", self.opts.queue_kbytes.to_string())
+            .set("queue.buffering.max.messages", "100000")
+            .create()
+            .map_err(kerr("creating producer"))?;
+        Ok(Arc::new(KafkaProducer {
+            producer,
+            bus: self.shallow(),
+        }))
+    }
+
+    async fn subscribe(&self, group: &str, topics: &[String]) -> Result<Box<dyn Consumer>> {
+        let shared = Arc::new(Mutex::new(Assignment::default()));
+        let ctx = RebalanceContext { shared: shared.clone() };
+        let consumer: StreamConsumer<RebalanceContext> = self
+            .consumer_config(group)
+            .create_with_context(ctx)
+            .map_err(kerr("creating consumer"))?;
+        let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+        for t in &names {
+            self.partition_count(t).await?;
+        }
+        consumer.subscribe(&names).map_err(kerr("subscribing"))?;
+        Ok(Box::new(KafkaConsumer {
+            consumer,
+            shared,
+            acks: HashMap::new(),
+            broadcast: false,
+        }))
+    }
+
+    async fn broadcast(&self, topic: &str) -> Result<Box<dyn Consumer>> {
+        let n = self.partition_count(topic).await?;
+        let shared = Arc::new(Mutex::new(Assignment::default()));
+        let mut cfg = self.consumer_config(&format!("streamrl-broadcast-{}", uuid::Uuid::new_v4()));
+        cfg.set("enable.auto.commit", "false");
+        let consumer: StreamConsumer<RebalanceContext> = cfg
+            .create_with_context(RebalanceContext { shared: shared.clone() })
+            .map_err(kerr("creating consumer"))?;
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..n {
+            tpl.add_partition_offset(topic, p as i32, Offset::Beginning)
+                .map_err(kerr("assigning"))?;
+            shared
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .owned
+                .insert((topic.to_string(), p));
+        }
+        consumer.assign(&tpl).map_err(kerr("assigning"))?;
+        Ok(Box::new(KafkaConsumer {
+            consumer,
+            shared,
+            acks: HashMap::new(),
+            broadcast: true,
+        }))
+    }
+
+    async fn topic_stats(&self, topic: &str, groups: &[String]) -> Result<Vec<PartitionStats>> {
+        let n = self.partition_count(topic).await?;
+        let mut consumers = Vec::new();
+        for g in groups {
+            consumers.push((g.clone(), self.base_consumer(Some(g))?));
+        }
+        let probe = self.base_consumer(None)?;
+        let topic = topic.to_string();
+        tokio::task::spawn_blocking(move || -> Result<Vec<PartitionStats>> {
+            let mut committed: Vec<(String, HashMap<u32, u64>)> = Vec::new();
+            for (g, c) in &consumers {
+                let mut tpl = TopicPartitionList::new();
+                for p in 0..n {
+                    tpl.add_partition(&topic, p as i32);
+                }
+                let got = c
+                    .committed_offsets(tpl, TIMEOUT)
+                    .map_err(kerr("reading committed offsets"))?;
+                let mut m = HashMap::new();
+                for e in got.elements() {
+                    if let Offset::Offset(o) = e.offset() {
+                        m.insert(e.partition() as u32, o as u64);
+                    }
+                }
+                committed.push((g.clone(), m));
+            }
+            (0..n)
+                .map(|p| {
+                    let (lo, hi) = probe
+                        .fetch_watermarks(&topic, p as i32, TIMEOUT)
+                        .map_err(kerr("fetching watermarks"))?;
+                    Ok(PartitionStats {
+                        partition: p,
+                        start_offset: lo.max(0) as u64,
+                        end_offset: hi.max(0) as u64,
+                        committed: committed.iter().map(|(g, m)| (g.clone(), m.get(&p).copied())).collect(),
+                    })
+                })
+                .collect()
+        })
+        .await
+        .map_err(|e| Error::Kafka {
+            op: "topic stats",
+            reason: e.to_string(),
+        })?
+    }
+
+    fn buffered_bytes(&self, topic: &str) -> u64 {
+        self.in_flight_counter(topic).load(Ordering::Relaxed)
+    }
+}
+
+impl KafkaBus {
+    fn shallow(&self) -> Shallow {
+        Shallow {
+            partitions: self.partitions.clone(),
+            in_flight: self.in_flight.clone(),
+            max: self.opts.max_message_bytes,
+        }
+    }
+}
+
+/// What a producer needs of its bus.
+struct Shallow {
+    partitions: Arc<Mutex<HashMap<String, u32>>>,
+    in_flight: Arc<Mutex<HashMap<String, Arc<AtomicU64>>>>,
+    max: usize,
+}
+
+struct KafkaProducer {
+    producer: FutureProducer,
+    bus: Shallow,
+}
+
+impl KafkaProducer {
+    async fn partitions(&self, topic: &str) -> Result<u32> {
+        if let Some(n) = self.bus.partitions.lock().unwrap_or_else(|p| p.into_inner()).get(topic) {
+            return Ok(*n);
+        }
+        let p = self.producer.clone();
+        let t = topic.to_string();
+        let n = tokio::task::spawn_blocking(move || -> Result<u32> {
+            let md = p
+                .client()
+                .fetch_metadata(Some(&t), TIMEOUT)
+                .map_err(kerr("fetching metadata"))?;
+            match md.topics().iter().find(|x| x.name() == t) {
+                Some(mt) if mt.error().is_none() && !mt.partitions().is_empty() => Ok(mt.partitions().len() as u32),
+                _ => Err(Error::UnknownTopic(t.clone())),
+            }
+        })
+        .await
+        .map_err(|e| Error::Kafka {
+            op: "fetching metadata",
+            reason: e.to_string(),
+        })??;
+        self.bus
+            .partitions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(topic.to_string(), n);
+        Ok(n)
+    }
+}
+
+#[async_trait]
+impl Producer for KafkaProducer {
+    async fn send(&self, topic: &str, record: Record) -> Result<DeliveryFuture> {
+        let size = record.size();
+        if size > self.bus.max {
+            return Err(Error::RecordTooLarge {
+                topic: topic.to_string(),
+                size,
+                limit: self.bus.max,
+            });
+        }
+        let n = self.partitions(topic).await?;
+        let partition = match (record.partition, &record.key) {
+            (Some(p), _) => Some((p % n) as i32),
+            (None, Some(k)) => Some(partition_for_key(k, n) as i32),
+            (None, None) => None,
+        };
+        let mut headers = OwnedHeaders::new_with_capacity(record.headers.len());
+        for (k, v) in &record.headers {
+            headers = headers.insert(Header { key: k, value: Some(v) });
+        }
+        let counter = self
+            .bus
+            .in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(topic.to_string())
+            .or_default()
+            .clone();
+        let mut rec: FutureRecord<'_, [u8], [u8]> =
+            FutureRecord::to(topic).payload(&record.payload[..]).headers(headers);
+        if let Some(k) = &record.key {
+            rec = rec.key(&k[..]);
+        }
+        if let Some(p) = partition {
+            rec = rec.partition(p);
+        }
+        let mut backoff = Duration::from_micros(200);
+        loop {
+            match self.producer.send_result(rec) {
+                Ok(fut) => {
+                    counter.fetch_add(size as u64, Ordering::Relaxed);
+                    let topic = topic.to_string();
+                    return Ok(async move {
+                        let r = fut.await;
+                        counter.fetch_sub(size as u64, Ordering::Relaxed);
+                        match r {
+                            Ok(Ok(d)) => Ok(Delivery {
+                                partition: d.partition as u32,
+                                offset: d.offset as u64,
+                            }),
+                            Ok(Err((e, _))) => Err(Error::Kafka {
+                                op: "delivering",
+                                reason: format!("to `{topic}`: {e}"),
+                            }),
+                            Err(_) => Err(Error::Closed("waiting for delivery")),
+                        }
+                    }
+                    .boxed());
+                }
+                // Backpressure: the client's bounded queue is full; wait for deliveries.
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                    rec = r;
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(20));
+                }
+                Err((e, _)) => {
+                    return Err(Error::Kafka {
+                        op: "producing",
+                        reason: format!("to `{topic}`: {e}"),
+                    });
+                }
+            }
+        }
+    }
+
+    async fn flush(&self) -> Result<()> {
+        let p = self.producer.clone();
+        tokio::task::spawn_blocking(move || p.flush(Duration::from_secs(60)))
+            .await
+            .map_err(|e| Error::Kafka {
+                op: "flushing",
+                reason: e.to_string(),
+            })?
+            .map_err(kerr("flushing"))
+    }
+}
+
+#[derive(Default)]
+struct Assignment {
+    owned: HashSet<(String, u32)>,
+    /// Bumped on every rebalance; ack trackers of an older epoch are dropped.
+    epoch: u64,
+}
+
+struct RebalanceContext {
+    shared: Arc<Mutex<Assignment>>,
+}
+
+impl ClientContext for RebalanceContext {}
+
+impl ConsumerContext for RebalanceContext {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(tpl) = rebalance {
+            // Commit what was acknowledged before the partitions move (Vector does the same).
+            match consumer.commit_consumer_state(CommitMode::Sync) {
+                Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
+                Err(e) => tracing::warn!(error = %e, "commit on revoke failed"),
+            }
+            let mut a = self.shared.lock().unwrap_or_else(|p| p.into_inner());
+            for e in tpl.elements() {
+                a.owned.remove(&(e.topic().to_string(), e.partition() as u32));
+            }
+            a.epoch += 1;
+        }
+    }
+
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(tpl) = rebalance {
+            let mut a = self.shared.lock().unwrap_or_else(|p| p.into_inner());
+            for e in tpl.elements() {
+                a.owned.insert((e.topic().to_string(), e.partition() as u32));
+            }
+            a.epoch += 1;
+        }
+    }
+}
+
+struct KafkaConsumer {
+    consumer: StreamConsumer<RebalanceContext>,
+    shared: Arc<Mutex<Assignment>>,
+    acks: HashMap<(String, u32), (u64, PartitionAcks)>,
+    broadcast: bool,
+}
+
+impl KafkaConsumer {
+    fn epoch(&self) -> u64 {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner()).epoch
+    }
+}
+
+#[async_trait]
+impl Consumer for KafkaConsumer {
+    async fn recv(&mut self) -> Result<Message> {
+        let m = self.consumer.recv().await.map_err(kerr("receiving"))?;
+        let headers = m
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|x| (x.key.to_string(), x.value.map(<[u8]>::to_vec).unwrap_or_default()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let msg = Message {
+            topic: m.topic().to_string(),
+            partition: m.partition() as u32,
+            offset: m.offset() as u64,
+            key: m.key().map(<[u8]>::to_vec),
+            headers,
+            payload: Bytes::copy_from_slice(m.payload().unwrap_or_default()),
+            timestamp_ms: m.timestamp().to_millis().unwrap_or(0),
+        };
+        drop(m);
+        if !self.broadcast {
+            let epoch = self.epoch();
+            let entry = self
+                .acks
+                .entry((msg.topic.clone(), msg.partition))
+                .or_insert_with(|| (epoch, PartitionAcks::at(msg.offset)));
+            if entry.0 != epoch {
+                // The partition was revoked and reassigned since: start afresh.
+                *entry = (epoch, PartitionAcks::at(msg.offset));
+            }
+            entry.1.delivered(msg.offset);
+        }
+        Ok(msg)
+    }
+
+    fn ack(&mut self, id: &MessageId) -> Result<()> {
+        if self.broadcast {
+            return Ok(());
+        }
+        let epoch = self.epoch();
+        let key = (id.topic.clone(), id.partition);
+        let Some((e, acks)) = self.acks.get_mut(&key) else {
+            return Ok(());
+        };
+        if *e != epoch {
+            // Revoked since delivery: the next owner gets the record again.
+            return Ok(());
+        }
+        if let Some(next) = acks.ack(id.offset) {
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition_offset(&id.topic, id.partition as i32, Offset::Offset(next as i64))
+                .map_err(kerr("storing offset"))?;
+            match self.consumer.store_offsets(&tpl) {
+                Ok(()) => {}
+                // Lost the partition in a rebalance that has not reached us yet.
+                Err(KafkaError::StoreOffset(RDKafkaErrorCode::State | RDKafkaErrorCode::UnknownPartition)) => {}
+                Err(e) => return Err(kerr("storing offset")(e)),
+            }
+        }
+        Ok(())
+    }
+
+    async fn commit(&mut self) -> Result<()> {
+        if self.broadcast {
+            return Ok(());
+        }
+        match self.consumer.commit_consumer_state(CommitMode::Sync) {
+            Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => Ok(()),
+            Err(e) => Err(kerr("committing")(e)),
+        }
+    }
+
+    fn assignment(&self) -> Vec<(String, u32)> {
+        let mut v: Vec<_> = self
+            .shared
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .owned
+            .iter()
+            .cloned()
+            .collect();
+        v.sort();
+        v
+    }
+
+    async fn close(mut self: Box<Self>) -> Result<()> {
+        self.commit().await?;
+        if !self.broadcast {
+            self.consumer.unsubscribe();
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,650 @@
+//! The stage runtime: the loop around a [`Stage`].
+//!
+//! For every message: parse headers, decode the Arrow payload against the topic's schema,
+//! call the stage (retrying retryable errors with exponential backoff), split each output
+//! batch by its topic's key column, encode and deliver every output, and only then
+//! acknowledge the input. A message that cannot be decoded, or that the stage rejects as
+//! invalid, goes to the dead-letter topic with the reason, and the stage keeps running.
+//! On shutdown the in-flight message is finished, the stage's `close` hook runs, offsets
+//! are committed and the consumer leaves its group.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use arrow::array::{Array, AsArray, UInt32Array};
+use arrow::compute::take_record_batch;
+use arrow::datatypes::DataType;
+use arrow::record_batch::RecordBatch;
+use futures::future::try_join_all;
+use streamrl_schemas::codec::{self, Compression};
+use streamrl_schemas::{DeadLetterRow, Headers, MessageKind, SchemaId, TopicRow};
+use tokio::sync::watch;
+use tracing::Instrument;
+
+use crate::bus::{Bus, Consumer, DeliveryFuture, Message, Producer, Record};
+use crate::stage::{Emitted, Emitter, Input, Stage};
+use crate::{ErrorDomain, Result, RetryHint, StageError, telemetry};
+
+/// A topic as a stage sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopicBinding {
+    /// Topic name.
+    pub name: String,
+    /// Its schema.
+    pub schema: SchemaId,
+    /// Key column for outputs (rows are split so each message holds one key).
+    pub key: Option<String>,
+}
+
+/// How the runtime runs one stage replica.
+#[derive(Debug, Clone)]
+pub struct RunnerConfig {
+    /// Stage name (also the consumer group).
+    pub stage: String,
+    /// Replica index.
+    pub replica: u32,
+    /// Topics read as a member of the stage's consumer group.
+    pub inputs: Vec<TopicBinding>,
+    /// Topics every replica reads in full (e.g. `policy`).
+    pub broadcast: Vec<TopicBinding>,
+    /// Topics the stage may emit to.
+    pub outputs: Vec<TopicBinding>,
+    /// Where undecodable or invalid messages go.
+    pub dead_letter: String,
+    /// Retries of a retryable error before the stage gives up.
+    pub max_retries: u32,
+    /// First backoff; doubles per retry.
+    pub initial_backoff: Duration,
+    /// Backoff cap.
+    pub max_backoff: Duration,
+    /// Payload compression of outputs.
+    pub compression: Compression,
+}
+
+impl RunnerConfig {
+    /// A config with default retry and compression settings.
+    pub fn new(stage: impl Into<String>, dead_letter: impl Into<String>) -> Self {
+        RunnerConfig {
+            stage: stage.into(),
+            replica: 0,
+            inputs: Vec::new(),
+            broadcast: Vec::new(),
+            outputs: Vec::new(),
+            dead_letter: dead_letter.into(),
+            max_retries: 5,
+            initial_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_secs(5),
+            compression: Compression::Zstd,
+        }
+    }
+
+    /// The producer / replica id, e.g. `reward-2`.
+    pub fn instance(&self) -> String {
+        format!("{}-{}", self.stage, self.replica)
+    }
+}
+
+/// Per-stage counters.
+#[derive(Debug, Default)]
+pub struct StageMetrics {
+    /// Messages received.
+    pub in_messages: AtomicU64,
+    /// Rows received.
+    pub in_rows: AtomicU64,
+    /// Messages delivered.
+    pub out_messages: AtomicU64,
+    /// Rows delivered.
+    pub out_rows: AtomicU64,
+    /// Stage errors (each retry counts).
+    pub errors: AtomicU64,
+    /// Retries.
+    pub retries: AtomicU64,
+    /// Messages sent to the dead-letter topic.
+    pub dead_lettered: AtomicU64,
+    /// Signals received.
+    pub signals: AtomicU64,
+    /// Time spent in the stage's `process`, ns.
+    pub processing_ns: AtomicU64,
+}
+
+impl StageMetrics {
+    /// A snapshot as (name, value) pairs.
+    pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        vec![
+            ("in_messages", g(&self.in_messages)),
+            ("in_rows", g(&self.in_rows)),
+            ("out_messages", g(&self.out_messages)),
+            ("out_rows", g(&self.out_rows)),
+            ("errors", g(&self.errors)),
+            ("retries", g(&self.retries)),
+            ("dead_lettered", g(&self.dead_lettered)),
+            ("signals", g(&self.signals)),
+            ("processing_ms", g(&self.processing_ns) / 1_000_000),
+        ]
+    }
+}
+
+/// Tells running stages to stop (SIGINT/SIGTERM, or a test).
+#[derive(Debug, Clone)]
+pub struct Shutdown {
+    tx: Arc<watch::Sender<bool>>,
+}
+
+impl Default for Shutdown {
+    fn default() -> Self {
+        Shutdown {
+            tx: Arc::new(watch::channel(false).0),
+        }
+    }
+}
+
+impl Shutdown {
+    /// A fresh, untriggered shutdown.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Asks every stage holding this to stop after its in-flight message.
+    pub fn trigger(&self) {
+        self.tx.send_replace(true);
+    }
+    /// Whether it was triggered.
+    pub fn is_triggered(&self) -> bool {
+        *self.tx.borrow()
+    }
+    /// Resolves once triggered.
+    pub async fn wait(&self) {
+        let mut rx = self.tx.subscribe();
+        let _ = rx.wait_for(|v| *v).await;
+    }
+    /// Triggers on SIGINT or SIGTERM.
+    pub fn on_signals(&self) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            #[cfg(unix)]
+            {
+                use tokio::signal::unix::{SignalKind, signal};
+                let mut term = match signal(SignalKind::terminate()) {
+                    Ok(s) => s,
+                    Err(_) => return,
+                };
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            #[cfg(not(unix))]
+            let _ = tokio::signal::ctrl_c().await;
+            tracing::info!("signal received: finishing in-flight work");
+            me.trigger();
+        });
+    }
+}
+
+/// Runs one stage replica until `shutdown` triggers or the stage fails for good.
+pub async fn run_stage(
+    bus: Arc<dyn Bus>,
+    cfg: RunnerConfig,
+    mut stage: Box<dyn Stage>,
+    shutdown: Shutdown,
+    metrics: Arc<StageMetrics>,
+) -> Result<()> {
+    let instance = cfg.instance();
+    let producer = bus.producer(&instance).await?;
+    let names: Vec<String> = cfg.inputs.iter().map(|t| t.name.clone()).collect();
+    let mut consumer = if names.is_empty() {
+        None
+    } else {
+        Some(bus.subscribe(&cfg.stage, &names).await?)
+    };
+    let mut broadcasts = Vec::new();
+    for b in &cfg.broadcast {
+        broadcasts.push(bus.broadcast(&b.name).await?);
+    }
+    let mut runner = Runner {
+        producer,
+        cfg: cfg.clone(),
+        instance,
+        metrics,
+        schemas: cfg
+            .inputs
+            .iter()
+            .chain(&cfg.broadcast)
+            .map(|t| (t.name.clone(), t.schema))
+            .collect(),
+        outputs: cfg.outputs.iter().map(|t| (t.name.clone(), t.clone())).collect(),
+        policy_version: None,
+        traceparent: None,
+    };
+    let mut out = Emitter::default();
+    let mut held: Vec<crate::bus::MessageId> = Vec::new();
+    runner
+        .stage_call(&mut out, "start", |s, o| Box::pin(s.start(o)), &mut stage)
+        .await?;
+    runner.deliver(&mut out).await?;
+
+    let mut tick = stage.tick_interval().map(|d| {
+        let mut i = tokio::time::interval(d);
+        i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        i
+    });
+    loop {
+        let next = tokio::select! {
+            biased;
+            _ = shutdown.wait() => break,
+            m = recv_any(&mut broadcasts) => Some((m, true)),
+            m = async { match consumer.as_mut() { Some(c) => c.recv().await, None => std::future::pending().await } } => Some((m, false)),
+            _ = async { match tick.as_mut() { Some(t) => { t.tick().await; } None => std::future::pending().await } } => None,
+        };
+        match next {
+            None => {
+                runner
+                    .stage_call(&mut out, "tick", |s, o| Box::pin(s.tick(o)), &mut stage)
+                    .await?;
+                runner.deliver(&mut out).await?;
+                if out.take_flags().1
+                    && let Some(c) = consumer.as_mut()
+                {
+                    for h in held.drain(..) {
+                        c.ack(&h)?;
+                    }
+                }
+            }
+            Some((msg, is_broadcast)) => {
+                let msg = msg?;
+                let id = msg.id();
+                runner.handle(msg, &mut stage, &mut out).await?;
+                let (hold, release) = out.take_flags();
+                if let Some(c) = consumer.as_mut() {
+                    if !is_broadcast {
+                        if hold { held.push(id) } else { c.ack(&id)? }
+                    }
+                    if release {
+                        for h in held.drain(..) {
+                            c.ack(&h)?;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    runner
+        .stage_call(&mut out, "close", |s, o| Box::pin(s.close(o)), &mut stage)
+        .await?;
+    runner.deliver(&mut out).await?;
+    if out.take_flags().1
+        && let Some(c) = consumer.as_mut()
+    {
+        for h in held.drain(..) {
+            c.ack(&h)?;
+        }
+    }
+    if !held.is_empty() {
+        tracing::info!(stage = %runner.instance, held = held.len(), "inputs still held at shutdown stay unacknowledged and will be redelivered");
+    }
+    runner.producer.flush().await?;
+    if let Some(c) = consumer {
+        c.close().await?;
+    }
+    for b in broadcasts {
+        b.close().await?;
+    }
+    tracing::info!(stage = %runner.instance, "stopped cleanly");
+    Ok(())
+}
+
+async fn recv_any(consumers: &mut [Box<dyn Consumer>]) -> Result<Message> {
+    if consumers.is_empty() {
+        return std::future::pending().await;
+    }
+    let futs = consumers.iter_mut().map(|c| c.recv());
+    futures::future::select_all(futs).await.0
+}
+
+type StageFuture<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), StageError>> + Send + 'a>>;
+
+struct Runner {
+    producer: Arc<dyn Producer>,
+    cfg: RunnerConfig,
+    instance: String,
+    metrics: Arc<StageMetrics>,
+    schemas: HashMap<String, SchemaId>,
+    outputs: HashMap<String, TopicBinding>,
+    policy_version: Option<u32>,
+    traceparent: Option<String>,
+}
+
+impl Runner {
+    /// Calls a stage hook, retrying retryable errors with backoff.
+    async fn stage_call<F>(&self, out: &mut Emitter, what: &str, f: F, stage: &mut Box<dyn Stage>) -> Result<()>
+    where
+        F: for<'a> Fn(&'a mut dyn Stage, &'a mut Emitter) -> StageFuture<'a>,
+    {
+        match self.with_retries(out, |s, o| f(s, o), stage).await {
+            Ok(()) => Ok(()),
+            Err(e) => Err(crate::Error::Stage {
+                stage: format!("{} ({what})", self.instance),
+                source: e,
+            }),
+        }
+    }
+
+    async fn with_retries<F>(&self, out: &mut Emitter, f: F, stage: &mut Box<dyn Stage>) -> Result<(), StageError>
+    where
+        F: for<'a> Fn(&'a mut dyn Stage, &'a mut Emitter) -> StageFuture<'a>,
+    {
+        let mut backoff = self.cfg.initial_backoff;
+        let mut attempt = 0;
+        loop {
+            let t0 = Instant::now();
+            let r = f(stage.as_mut(), out).await;
+            self.metrics
+                .processing_ns
+                .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            match r {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    self.metrics.errors.fetch_add(1, Ordering::Relaxed);
+                    // Outputs of a failed attempt are discarded: a retry emits them again.
+                    out.take();
+                    out.take_flags();
+                    if e.retry == RetryHint::WithBackoff && attempt < self.cfg.max_retries {
+                        attempt += 1;
+                        self.metrics.retries.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(stage = %self.instance, attempt, error = %e, "retrying after {backoff:?}");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(self.cfg.max_backoff);
+                        continue;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    async fn handle(&mut self, msg: Message, stage: &mut Box<dyn Stage>, out: &mut Emitter) -> Result<()> {
+        self.metrics.in_messages.fetch_add(1, Ordering::Relaxed);
+        let schema = self.schemas.get(&msg.topic).copied();
+        let headers = match (schema, Headers::from_wire(&msg.headers)) {
+            (None, _) => {
+                return self
+                    .dead_letter(&msg, format!("topic `{}` is not an input of this stage", msg.topic))
+                    .await;
+            }
+            (_, Err(e)) => return self.dead_letter(&msg, e.to_string()).await,
+            (Some(s), Ok(h)) => match codec::check_headers(s, &h) {
+                Ok(()) => h,
+                Err(e) => return self.dead_letter(&msg, e.to_string()).await,
+            },
+        };
+        let schema = schema.expect("checked above");
+        if let Some(v) = headers.policy_version {
+            self.policy_version = Some(self.policy_version.map_or(v, |p| p.max(v)));
+        }
+        let span = telemetry::consume_span(&self.instance, &msg.topic, headers.traceparent.as_deref());
+        self.traceparent = telemetry::traceparent_for(&span, headers.traceparent.as_deref());
+        if headers.kind == MessageKind::Signal {
+            self.metrics.signals.fetch_add(1, Ordering::Relaxed);
+            let signal = headers.signal.expect("signal headers carry a signal");
+            let topic = msg.topic.clone();
+            let r = self
+                .with_retries(
+                    out,
+                    |s, o| {
+                        let t = topic.clone();
+                        Box::pin(async move { s.signal(&t, signal, o).await })
+                    },
+                    stage,
+                )
+                .instrument(span)
+                .await;
+            return self.finish(&msg, r, out).await;
+        }
+        let batch = match codec::decode_payload(&msg.payload)
+            .and_then(|b| codec::check_schema(schema, b.schema_ref()).map(|_| b))
+        {
+            Ok(b) => b,
+            Err(e) => return self.dead_letter(&msg, e.to_string()).await,
+        };
+        self.metrics
+            .in_rows
+            .fetch_add(batch.num_rows() as u64, Ordering::Relaxed);
+        let input = Input {
+            topic: msg.topic.clone(),
+            schema,
+            partition: msg.partition,
+            offset: msg.offset,
+            headers,
+            batch,
+        };
+        let r = self
+            .with_retries(
+                out,
+                |s, o| {
+                    let i = input.clone();
+                    Box::pin(async move { s.process(i, o).await })
+                },
+                stage,
+            )
+            .instrument(span)
+            .await;
+        self.finish(&msg, r, out).await
+    }
+
+    async fn finish(&mut self, msg: &Message, r: Result<(), StageError>, out: &mut Emitter) -> Result<()> {
+        match r {
+            Ok(()) => self.deliver(out).await,
+            Err(e) if e.domain == ErrorDomain::User => self.dead_letter(msg, e.to_string()).await,
+            Err(e) => Err(crate::Error::Stage {
+                stage: self.instance.clone(),
+                source: e,
+            }),
+        }
+    }
+
+    /// Encodes and sends every pending output, and waits until all are delivered.
+    async fn deliver(&mut self, out: &mut Emitter) -> Result<()> {
+        if let Some(v) = out.policy_version {
+            self.policy_version = Some(v);
+        }
+        let mut pending: Vec<(DeliveryFuture, u64)> = Vec::new();
+        for item in out.take() {
+            match item {
+                Emitted::Batch { topic, batch } => {
+                    let binding = self.outputs.get(&topic).cloned().ok_or_else(|| crate::Error::Stage {
+                        stage: self.instance.clone(),
+                        source: StageError::internal(format!(
+                            "emitted to `{topic}`, which is not among its outputs {:?}",
+                            self.cfg.outputs.iter().map(|o| &o.name).collect::<Vec<_>>()
+                        )),
+                    })?;
+                    codec::check_schema(binding.schema, batch.schema_ref()).map_err(|e| crate::Error::Stage {
+                        stage: self.instance.clone(),
+                        source: StageError::internal(format!("output to `{topic}`: {e}")),
+                    })?;
+                    for (key, part) in
+                        split_by_key(&batch, binding.key.as_deref()).map_err(|e| crate::Error::Stage {
+                            stage: self.instance.clone(),
+                            source: StageError::internal(format!("output to `{topic}`: {e}")),
+                        })?
+                    {
+                        let payload = codec::encode(&part, self.cfg.compression)?;
+                        let record = Record {
+                            key,
+                            headers: self.headers(binding.schema).to_wire(),
+                            payload,
+                            partition: None,
+                        };
+                        let fut = self.producer.send(&topic, record).await?;
+                        pending.push((fut, part.num_rows() as u64));
+                    }
+                }
+                Emitted::Signal { topic, signal } => {
+                    let binding = self.outputs.get(&topic).cloned().ok_or_else(|| crate::Error::Stage {
+                        stage: self.instance.clone(),
+                        source: StageError::internal(format!("signalled on `{topic}`, which is not an output")),
+                    })?;
+                    let mut h = Headers::signal(binding.schema, self.instance.clone(), signal);
+                    h.policy_version = self.policy_version;
+                    let fut = self
+                        .producer
+                        .send(&topic, Record::new(Vec::new()).with_headers(h.to_wire()))
+                        .await?;
+                    pending.push((fut, 0));
+                }
+            }
+        }
+        let rows: u64 = pending.iter().map(|(_, r)| r).sum();
+        let n = pending.len() as u64;
+        try_join_all(pending.into_iter().map(|(f, _)| f)).await?;
+        self.metrics.out_messages.fetch_add(n, Ordering::Relaxed);
+        self.metrics.out_rows.fetch_add(rows, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn headers(&self, schema: SchemaId) -> Headers {
+        let mut h = Headers::data(schema, self.instance.clone());
+        h.policy_version = self.policy_version;
+        h.traceparent = self.traceparent.clone().or_else(|| Some(telemetry::new_traceparent()));
+        h
+    }
+
+    /// Sends a message to the dead-letter topic, whole, with the reason. Delivery is
+    /// awaited: the input is acknowledged only once its dead letter is safe.
+    async fn dead_letter(&mut self, msg: &Message, reason: String) -> Result<()> {
+        tracing::warn!(stage = %self.instance, topic = %msg.topic, partition = msg.partition, offset = msg.offset, %reason, "dead-lettering");
+        let headers_json = serde_json::to_string(
+            &msg.headers
+                .iter()
+                .map(|(k, v)| (k.clone(), String::from_utf8_lossy(v).into_owned()))
+                .collect::<HashMap<_, _>>(),
+        )
+        .unwrap_or_else(|_| "{}".into());
+        let row = DeadLetterRow {
+            topic: msg.topic.clone(),
+            partition: msg.partition,
+            offset: msg.offset,
+            key: msg.key.clone(),
+            stage: self.instance.clone(),
+            reason,
+            headers_json,
+            payload: msg.payload.to_vec(),
+            created_at: streamrl_schemas::now_millis(),
+        };
+        let batch = DeadLetterRow::to_batch(&[row])?;
+        let payload = codec::encode(&batch, self.cfg.compression)?;
+        let mut record = Record::new(payload).with_headers(self.headers(SchemaId::DeadLetter).to_wire());
+        record.key = msg.key.clone();
+        self.producer.send(&self.cfg.dead_letter, record).await?.await?;
+        self.metrics.dead_lettered.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// One message's worth of rows and its key.
+pub type Keyed = (Option<Vec<u8>>, RecordBatch);
+
+/// Splits a batch into one batch per distinct value of `key` (in first-seen order), so
+/// rows of one key land in one partition. Without a key the batch goes whole, unkeyed.
+pub fn split_by_key(batch: &RecordBatch, key: Option<&str>) -> std::result::Result<Vec<Keyed>, String> {
+    let Some(key) = key else {
+        return Ok(vec![(None, batch.clone())]);
+    };
+    let col = batch
+        .column_by_name(key)
+        .ok_or_else(|| format!("the batch has no key column `{key}`"))?;
+    let values: Vec<Vec<u8>> = match col.data_type() {
+        DataType::Utf8 => col
+            .as_string::<i32>()
+            .iter()
+            .map(|v| v.unwrap_or("").as_bytes().to_vec())
+            .collect(),
+        DataType::UInt32 => col
+            .as_primitive::<arrow::datatypes::UInt32Type>()
+            .values()
+            .iter()
+            .map(|v| v.to_string().into_bytes())
+            .collect(),
+        DataType::UInt64 => col
+            .as_primitive::<arrow::datatypes::UInt64Type>()
+            .values()
+            .iter()
+            .map(|v| v.to_string().into_bytes())
+            .collect(),
+        other => {
+            return Err(format!(
+                "key column `{key}` has type {other}; keys must be Utf8, UInt32 or UInt64"
+            ));
+        }
+    };
+    let mut order: Vec<Vec<u8>> = Vec::new();
+    let mut rows: HashMap<Vec<u8>, Vec<u32>> = HashMap::new();
+    for (i, v) in values.into_iter().enumerate() {
+        let e = rows.entry(v.clone()).or_default();
+        if e.is_empty() {
+            order.push(v);
+        }
+        e.push(i as u32);
+    }
+    if order.len() == 1 {
+        return Ok(vec![(order.pop(), batch.clone())]);
+    }
+    order
+        .into_iter()
+        .map(|k| {
+            let idx = UInt32Array::from(rows.remove(&k).unwrap_or_default());
+            take_record_batch(batch, &idx)
+                .map(|b| (Some(k), b))
+                .map_err(|e| e.to_string())
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{StringArray, UInt64Array};
+    use arrow::datatypes::{Field, Schema};
+
+    #[test]
+    fn split_keeps_row_order_within_a_key() {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("group_id", DataType::Utf8, false),
+            Field::new("n", DataType::UInt64, false),
+        ]));
+        let b = RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(StringArray::from(vec!["a", "b", "a", "c", "b"])),
+                Arc::new(UInt64Array::from(vec![0, 1, 2, 3, 4])),
+            ],
+        )
+        .unwrap();
+        let parts = split_by_key(&b, Some("group_id")).unwrap();
+        let got: Vec<(String, Vec<u64>)> = parts
+            .iter()
+            .map(|(k, b)| {
+                (
+                    String::from_utf8(k.clone().unwrap()).unwrap(),
+                    b.column(1)
+                        .as_primitive::<arrow::datatypes::UInt64Type>()
+                        .values()
+                        .to_vec(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("a".into(), vec![0, 2]),
+                ("b".into(), vec![1, 4]),
+                ("c".into(), vec![3])
+            ]
+        );
+        let e = split_by_key(&b, Some("rollout_id")).unwrap_err();
+        assert!(e.contains("rollout_id"), "{e}");
+        assert_eq!(split_by_key(&b, None).unwrap().len(), 1);
+    }
+}

@@ -1,0 +1,178 @@
+//! The [`Stage`] trait: what a pipeline stage implements. The runtime ([`crate::runner`])
+//! owns the loop around it.
+
+use std::time::Duration;
+
+use arrow::record_batch::RecordBatch;
+use async_trait::async_trait;
+use streamrl_schemas::{Headers, SchemaId, Signal};
+
+use crate::StageError;
+
+/// One decoded input message.
+#[derive(Debug, Clone)]
+pub struct Input {
+    /// Topic it came from.
+    pub topic: String,
+    /// Its schema.
+    pub schema: SchemaId,
+    /// Partition and offset it had.
+    pub partition: u32,
+    /// Offset within the partition.
+    pub offset: u64,
+    /// Its headers.
+    pub headers: Headers,
+    /// Its rows.
+    pub batch: RecordBatch,
+}
+
+/// Where a stage puts its outputs. The runtime delivers them, and acknowledges the input
+/// only after every output is delivered.
+#[derive(Debug, Default)]
+pub struct Emitter {
+    pub(crate) outputs: Vec<Emitted>,
+    pub(crate) policy_version: Option<u32>,
+    pub(crate) hold: bool,
+    pub(crate) release: bool,
+}
+
+#[derive(Debug)]
+pub(crate) enum Emitted {
+    Batch { topic: String, batch: RecordBatch },
+    Signal { topic: String, signal: Signal },
+}
+
+impl Emitter {
+    /// Emits rows to an output topic. The runtime splits the batch by the topic's key
+    /// column, so each message holds rows of one key.
+    pub fn emit(&mut self, topic: impl Into<String>, batch: RecordBatch) {
+        if batch.num_rows() > 0 {
+            self.outputs.push(Emitted::Batch {
+                topic: topic.into(),
+                batch,
+            });
+        }
+    }
+
+    /// Emits an in-band signal on an output topic (to every partition).
+    pub fn signal(&mut self, topic: impl Into<String>, signal: Signal) {
+        self.outputs.push(Emitted::Signal {
+            topic: topic.into(),
+            signal,
+        });
+    }
+
+    /// Stamps outputs from now on with this policy version header.
+    pub fn set_policy_version(&mut self, version: u32) {
+        self.policy_version = Some(version);
+    }
+
+    /// Keeps the current input unacknowledged after `process` returns: the stage still
+    /// holds its rows in memory (a buffer, a group waiting for its last sample). Held
+    /// inputs are acknowledged at the next [`release_held`](Emitter::release_held); if the
+    /// stage dies first, they are delivered again.
+    pub fn hold(&mut self) {
+        self.hold = true;
+    }
+
+    /// Everything held so far (and the current input) is now safe: acknowledge it once
+    /// this call's outputs are delivered.
+    pub fn release_held(&mut self) {
+        self.release = true;
+    }
+
+    /// Number of pending outputs.
+    pub fn len(&self) -> usize {
+        self.outputs.len()
+    }
+
+    /// Whether nothing is pending.
+    pub fn is_empty(&self) -> bool {
+        self.outputs.is_empty()
+    }
+
+    pub(crate) fn take_flags(&mut self) -> (bool, bool) {
+        (std::mem::take(&mut self.hold), std::mem::take(&mut self.release))
+    }
+
+    pub(crate) fn take(&mut self) -> Vec<Emitted> {
+        std::mem::take(&mut self.outputs)
+    }
+}
+
+/// A pipeline stage. Only [`process`](Stage::process) is required; the hooks default to
+/// doing nothing. Expensive setup belongs in the stage's constructor (build), not here.
+///
+/// ```
+/// use arrow::record_batch::RecordBatch;
+/// use streamrl_runtime::{Emitter, Input, Stage, StageError};
+///
+/// /// Forwards every batch unchanged.
+/// struct Forward { to: String }
+///
+/// #[async_trait::async_trait]
+/// impl Stage for Forward {
+///     async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
+///         out.emit(self.to.clone(), input.batch);
+///         Ok(())
+///     }
+/// }
+/// ```
+#[async_trait]
+pub trait Stage: Send {
+    /// Processes one input batch, emitting outputs. A `User` error sends the input to the
+    /// dead-letter topic; a retryable error is retried with backoff; anything else stops
+    /// the stage without acknowledging the input.
+    async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError>;
+
+    /// Called once before the first input.
+    async fn start(&mut self, _out: &mut Emitter) -> Result<(), StageError> {
+        Ok(())
+    }
+
+    /// How often [`tick`](Stage::tick) runs; `None` never.
+    fn tick_interval(&self) -> Option<Duration> {
+        None
+    }
+
+    /// Time-driven work (flushes, timeouts).
+    async fn tick(&mut self, _out: &mut Emitter) -> Result<(), StageError> {
+        Ok(())
+    }
+
+    /// An in-band signal arrived on `topic`.
+    async fn signal(&mut self, _topic: &str, _signal: Signal, _out: &mut Emitter) -> Result<(), StageError> {
+        Ok(())
+    }
+
+    /// State to persist with a checkpoint.
+    fn snapshot(&self) -> Option<Vec<u8>> {
+        None
+    }
+
+    /// Restores a snapshot.
+    fn restore(&mut self, _state: &[u8]) -> Result<(), StageError> {
+        Ok(())
+    }
+
+    /// Called once at shutdown, after the last input; may emit final outputs.
+    async fn close(&mut self, _out: &mut Emitter) -> Result<(), StageError> {
+        Ok(())
+    }
+}
+
+/// A closure is a stage: `|input| -> Result<Vec<(topic, batch)>, StageError>`.
+pub struct FnStage<F>(pub F);
+
+#[async_trait]
+impl<F> Stage for FnStage<F>
+where
+    F: FnMut(Input) -> Result<Vec<(String, RecordBatch)>, StageError> + Send,
+{
+    async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
+        for (topic, batch) in (self.0)(input)? {
+            out.emit(topic, batch);
+        }
+        Ok(())
+    }
+}

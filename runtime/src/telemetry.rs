@@ -1,0 +1,126 @@
+//! Logging and tracing: `tracing` to stderr, spans exported over OTLP/HTTP when
+//! `OTEL_EXPORTER_OTLP_ENDPOINT` is set, and W3C `traceparent` propagation through message
+//! headers so a trajectory can be followed across stages and processes.
+
+use std::collections::HashMap;
+
+use opentelemetry::propagation::TextMapPropagator;
+use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+
+use crate::{Error, Result};
+
+/// Keeps the span exporter alive; flushes on drop.
+pub struct TelemetryGuard {
+    provider: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
+}
+
+impl Drop for TelemetryGuard {
+    fn drop(&mut self) {
+        if let Some(p) = self.provider.take() {
+            let _ = p.shutdown();
+        }
+    }
+}
+
+/// Installs the global subscriber: logs filtered by `RUST_LOG` (default `info`), plus an
+/// OTLP span exporter when `OTEL_EXPORTER_OTLP_ENDPOINT` is set. Safe to call twice (the
+/// second call is a no-op).
+pub fn init(service: &str) -> Result<TelemetryGuard> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_target(false);
+    let endpoint = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .ok()
+        .filter(|e| !e.is_empty());
+    let Some(endpoint) = endpoint else {
+        let _ = tracing_subscriber::registry().with(filter).with(fmt).try_init();
+        return Ok(TelemetryGuard { provider: None });
+    };
+    use opentelemetry_otlp::WithExportConfig;
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_endpoint(format!("{}/v1/traces", endpoint.trim_end_matches('/')))
+        .build()
+        .map_err(|e| Error::Telemetry(format!("OTLP exporter for `{endpoint}`: {e}")))?;
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(
+            opentelemetry_sdk::Resource::builder()
+                .with_service_name(service.to_string())
+                .build(),
+        )
+        .build();
+    let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("streamrl"));
+    let _ = tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt)
+        .with(layer)
+        .try_init();
+    Ok(TelemetryGuard {
+        provider: Some(provider),
+    })
+}
+
+/// The span a stage processes one message in, parented to the producer's trace.
+pub fn consume_span(instance: &str, topic: &str, traceparent: Option<&str>) -> tracing::Span {
+    let span = tracing::info_span!("process", stage = %instance, topic = %topic);
+    if let Some(tp) = traceparent {
+        let mut carrier = HashMap::new();
+        carrier.insert("traceparent".to_string(), tp.to_string());
+        let cx = TraceContextPropagator::new().extract(&carrier);
+        let _ = span.set_parent(cx);
+    }
+    span
+}
+
+/// The `traceparent` for outputs produced inside `span`: the exported span's context when
+/// tracing is on, else the incoming trace (so the trace id still flows end to end), else
+/// `None` (the caller starts a new trace).
+pub fn traceparent_for(span: &tracing::Span, incoming: Option<&str>) -> Option<String> {
+    let cx = span.context();
+    if cx.span().span_context().is_valid() {
+        let mut carrier: HashMap<String, String> = HashMap::new();
+        TraceContextPropagator::new().inject_context(&cx, &mut carrier);
+        if let Some(tp) = carrier.remove("traceparent") {
+            return Some(tp);
+        }
+    }
+    incoming
+        .filter(|tp| parse_traceparent(tp).is_some())
+        .map(str::to_string)
+}
+
+/// A fresh W3C traceparent (random trace and span ids, sampled).
+pub fn new_traceparent() -> String {
+    let a = uuid::Uuid::new_v4().simple().to_string();
+    let b = uuid::Uuid::new_v4().simple().to_string();
+    format!("00-{a}-{}-01", &b[..16])
+}
+
+/// Splits a W3C traceparent into (trace id, parent span id) if it is well formed.
+pub fn parse_traceparent(tp: &str) -> Option<(&str, &str)> {
+    let mut it = tp.split('-');
+    let (v, t, s, f) = (it.next()?, it.next()?, it.next()?, it.next()?);
+    let hex = |x: &str, n: usize| x.len() == n && x.bytes().all(|b| b.is_ascii_hexdigit());
+    (it.next().is_none() && hex(v, 2) && hex(t, 32) && hex(s, 16) && hex(f, 2) && t != "0".repeat(32)).then_some((t, s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fresh_traceparents_are_valid_and_incoming_ones_flow_on() {
+        let tp = new_traceparent();
+        assert!(parse_traceparent(&tp).is_some(), "{tp}");
+        let span = tracing::Span::none();
+        assert_eq!(traceparent_for(&span, Some(&tp)), Some(tp.clone()));
+        assert_eq!(traceparent_for(&span, Some("garbage")), None);
+    }
+}

@@ -1,0 +1,770 @@
+//! topology.yaml: the bus, the topics and the stages of a pipeline, compiled into a
+//! validated [`Topology`] before anything runs. Every problem is reported at once, each
+//! with the key path it is about (Vector's topology compiler).
+//!
+//! ```
+//! use streamrl_runtime::topology::Topology;
+//!
+//! let yaml = r#"
+//! bus: memory://
+//! topics:
+//!   scored:      { schema: scored, partitions: 2, key: group_id }
+//!   samples:     { schema: sampels, partitions: 2 }
+//!   dead_letter: { schema: dead_letter, partitions: 1 }
+//! stages:
+//!   mask: { kind: mask, inputs: [scored], outputs: [samples], replicas: 4 }
+//! "#;
+//! let errors = Topology::parse(yaml, &|_, _| vec![]).unwrap_err();
+//! let text: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+//! assert!(text.iter().any(|e| e.starts_with("topics.samples.schema")));
+//! assert!(text.iter().any(|e| e.starts_with("stages.mask.replicas")));
+//! ```
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use serde::Deserialize;
+use serde_yaml::Value;
+use streamrl_schemas::SchemaId;
+
+use crate::bus::TopicSpec;
+use crate::runner::{RunnerConfig, TopicBinding};
+
+/// One problem in a topology, with the key path it is about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopologyError {
+    /// Dotted key path, e.g. `stages.reward.inputs[0]`.
+    pub path: String,
+    /// What is wrong, naming the values involved.
+    pub message: String,
+}
+
+impl fmt::Display for TopologyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+impl std::error::Error for TopologyError {}
+
+/// The kinds of stage streamrl has. Adding a kind means adding a variant here and an arm
+/// in the binary's exhaustive `match` that builds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum StageKind {
+    /// Samples problems from environments; emits one prompt message per group.
+    Source,
+    /// Generates completions with the policy.
+    Rollout,
+    /// Executes tool calls and unit tests in sandboxes.
+    Sandbox,
+    /// Scores executed rollouts with rubrics.
+    Reward,
+    /// Group advantages, difficulty filtering, loss masks.
+    Mask,
+    /// Gradient steps; publishes policy versions.
+    Trainer,
+    /// Writes every topic to Parquet.
+    Archive,
+}
+
+/// What schemas a stage kind reads and writes.
+#[derive(Debug, Clone, Copy)]
+pub struct Ports {
+    /// Schemas it may consume as a group member (`None`: any).
+    pub inputs: Option<&'static [SchemaId]>,
+    /// Schemas it may read as a broadcast.
+    pub broadcast: &'static [SchemaId],
+    /// Schemas it may emit.
+    pub outputs: &'static [SchemaId],
+}
+
+impl StageKind {
+    /// Every kind.
+    pub const ALL: [StageKind; 7] = [
+        StageKind::Source,
+        StageKind::Rollout,
+        StageKind::Sandbox,
+        StageKind::Reward,
+        StageKind::Mask,
+        StageKind::Trainer,
+        StageKind::Archive,
+    ];
+
+    /// Name as written in topology.yaml.
+    pub fn name(self) -> &'static str {
+        match self {
+            StageKind::Source => "source",
+            StageKind::Rollout => "rollout",
+            StageKind::Sandbox => "sandbox",
+            StageKind::Reward => "reward",
+            StageKind::Mask => "mask",
+            StageKind::Trainer => "trainer",
+            StageKind::Archive => "archive",
+        }
+    }
+
+    /// The kind's port signature.
+    pub fn ports(self) -> Ports {
+        use SchemaId as S;
+        match self {
+            StageKind::Source => Ports {
+                inputs: Some(&[]),
+                broadcast: &[S::Policy],
+                outputs: &[S::Prompts, S::Metrics],
+            },
+            StageKind::Rollout => Ports {
+                inputs: Some(&[S::Prompts, S::Continuations]),
+                broadcast: &[S::Policy],
+                outputs: &[S::Rollouts, S::Metrics],
+            },
+            StageKind::Sandbox => Ports {
+                inputs: Some(&[S::Rollouts]),
+                broadcast: &[],
+                outputs: &[S::Executed, S::Continuations, S::Metrics],
+            },
+            StageKind::Reward => Ports {
+                inputs: Some(&[S::Executed]),
+                broadcast: &[],
+                outputs: &[S::Scored, S::Metrics],
+            },
+            StageKind::Mask => Ports {
+                inputs: Some(&[S::Scored]),
+                broadcast: &[],
+                outputs: &[S::Samples, S::Metrics],
+            },
+            StageKind::Trainer => Ports {
+                inputs: Some(&[S::Samples]),
+                broadcast: &[],
+                outputs: &[S::Policy, S::Metrics],
+            },
+            StageKind::Archive => Ports {
+                inputs: None,
+                broadcast: &[],
+                outputs: &[],
+            },
+        }
+    }
+}
+
+impl fmt::Display for StageKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for StageKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        StageKind::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| {
+            format!(
+                "unknown stage kind `{s}` (known: {})",
+                StageKind::ALL.iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")
+            )
+        })
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTopic {
+    schema: String,
+    #[serde(default = "one")]
+    partitions: u32,
+    #[serde(default)]
+    key: Option<String>,
+    #[serde(default)]
+    feedback: bool,
+    #[serde(default)]
+    max_unconsumed_bytes: Option<u64>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStage {
+    kind: String,
+    #[serde(default)]
+    inputs: Inputs,
+    #[serde(default)]
+    broadcast: Vec<String>,
+    #[serde(default)]
+    outputs: Vec<String>,
+    #[serde(default = "one")]
+    replicas: u32,
+    #[serde(default)]
+    config: Value,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(untagged)]
+enum Inputs {
+    #[default]
+    None,
+    Named(Vec<String>),
+    All(String),
+}
+
+/// A declared topic.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopicDecl {
+    /// Its schema.
+    pub schema: SchemaId,
+    /// Partitions.
+    pub partitions: u32,
+    /// Key column: rows are split by it and it picks the partition.
+    pub key: Option<String>,
+    /// A feedback edge (e.g. continuations): the one kind of cycle allowed.
+    pub feedback: bool,
+    /// Memory-bus backpressure bound.
+    pub max_unconsumed_bytes: Option<u64>,
+}
+
+/// A declared stage.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StageDecl {
+    /// Its kind.
+    pub kind: StageKind,
+    /// Topics it consumes as a group.
+    pub inputs: Vec<String>,
+    /// Topics every replica reads whole.
+    pub broadcast: Vec<String>,
+    /// Topics it emits to.
+    pub outputs: Vec<String>,
+    /// Replica count.
+    pub replicas: u32,
+    /// Kind-specific configuration (validated by the kind).
+    pub config: Value,
+}
+
+/// A validated pipeline.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Topology {
+    /// Bus URL.
+    pub bus: String,
+    /// Run id stamped on rows.
+    pub run_id: String,
+    /// Where the run writes (archive, checkpoints).
+    pub run_dir: PathBuf,
+    /// The dead-letter topic.
+    pub dead_letter: String,
+    /// Topics by name.
+    pub topics: BTreeMap<String, TopicDecl>,
+    /// Stages by name.
+    pub stages: BTreeMap<String, StageDecl>,
+}
+
+/// Validates a stage kind's `config` block; returns one message per problem.
+pub type ConfigCheck<'a> = &'a dyn Fn(StageKind, &Value) -> Vec<String>;
+
+const TOP_KEYS: [&str; 6] = ["bus", "run_id", "run_dir", "dead_letter", "topics", "stages"];
+
+impl Topology {
+    /// Parses and validates YAML, collecting every problem.
+    pub fn parse(yaml: &str, check_config: ConfigCheck<'_>) -> Result<Topology, Vec<TopologyError>> {
+        let mut errs = Vec::new();
+        let err =
+            |errs: &mut Vec<TopologyError>, path: String, message: String| errs.push(TopologyError { path, message });
+        let root: Value = serde_yaml::from_str(yaml).map_err(|e| {
+            vec![TopologyError {
+                path: "(document)".into(),
+                message: format!("not valid YAML: {e}"),
+            }]
+        })?;
+        let Some(root) = root.as_mapping() else {
+            return Err(vec![TopologyError {
+                path: "(document)".into(),
+                message: "expected a mapping at the top level".into(),
+            }]);
+        };
+        for k in root.keys() {
+            let k = key_str(k);
+            if !TOP_KEYS.contains(&k.as_str()) {
+                err(
+                    &mut errs,
+                    k.clone(),
+                    format!("unknown field `{k}` (known: {})", TOP_KEYS.join(", ")),
+                );
+            }
+        }
+        let get_str = |k: &str| root.get(k).and_then(Value::as_str).map(str::to_string);
+        let bus = get_str("bus").unwrap_or_else(|| "memory://".into());
+        match bus.split_once("://").map(|(s, _)| s) {
+            Some("memory" | "kafka") => {}
+            _ => err(
+                &mut errs,
+                "bus".into(),
+                format!("`{bus}` is not a bus URL (memory://... or kafka://host:port)"),
+            ),
+        }
+        let run_id = get_str("run_id").unwrap_or_else(|| "default".into());
+        let run_dir = PathBuf::from(get_str("run_dir").unwrap_or_else(|| format!("runs/{run_id}")));
+        let dead_letter = get_str("dead_letter").unwrap_or_else(|| "dead_letter".into());
+
+        let mut topics = BTreeMap::new();
+        for (name, v) in root.get("topics").and_then(Value::as_mapping).into_iter().flatten() {
+            let name = key_str(name);
+            let path = format!("topics.{name}");
+            let raw: RawTopic = match serde_yaml::from_value(v.clone()) {
+                Ok(r) => r,
+                Err(e) => {
+                    err(&mut errs, path, e.to_string());
+                    continue;
+                }
+            };
+            let schema = match raw.schema.parse::<SchemaId>() {
+                Ok(s) => s,
+                Err(e) => {
+                    err(&mut errs, format!("{path}.schema"), e.to_string());
+                    continue;
+                }
+            };
+            if raw.partitions == 0 {
+                err(&mut errs, format!("{path}.partitions"), "must be at least 1".into());
+            }
+            if let Some(k) = &raw.key
+                && schema.schema().field_with_name(k).is_err()
+            {
+                err(
+                    &mut errs,
+                    format!("{path}.key"),
+                    format!("schema `{schema}` has no column `{k}`"),
+                );
+            }
+            topics.insert(
+                name,
+                TopicDecl {
+                    schema,
+                    partitions: raw.partitions,
+                    key: raw.key,
+                    feedback: raw.feedback,
+                    max_unconsumed_bytes: raw.max_unconsumed_bytes,
+                },
+            );
+        }
+        if root.get("topics").is_none() {
+            err(
+                &mut errs,
+                "topics".into(),
+                "missing: declare at least the dead-letter topic".into(),
+            );
+        }
+        match topics.get(&dead_letter) {
+            Some(t) if t.schema != SchemaId::DeadLetter => err(
+                &mut errs,
+                "dead_letter".into(),
+                format!("topic `{dead_letter}` carries schema `{}`, not `dead_letter`", t.schema),
+            ),
+            Some(_) => {}
+            None => err(
+                &mut errs,
+                "dead_letter".into(),
+                format!("topic `{dead_letter}` is not declared under topics"),
+            ),
+        }
+
+        let mut stages = BTreeMap::new();
+        for (name, v) in root.get("stages").and_then(Value::as_mapping).into_iter().flatten() {
+            let name = key_str(name);
+            let path = format!("stages.{name}");
+            let raw: RawStage = match serde_yaml::from_value(v.clone()) {
+                Ok(r) => r,
+                Err(e) => {
+                    err(&mut errs, path, e.to_string());
+                    continue;
+                }
+            };
+            let kind = match raw.kind.parse::<StageKind>() {
+                Ok(k) => k,
+                Err(e) => {
+                    err(&mut errs, format!("{path}.kind"), e);
+                    continue;
+                }
+            };
+            let ports = kind.ports();
+            let inputs = match raw.inputs {
+                Inputs::None => Vec::new(),
+                Inputs::Named(v) => v,
+                Inputs::All(s) if s == "all" && ports.inputs.is_none() => topics
+                    .keys()
+                    .filter(|t| **t != dead_letter || kind == StageKind::Archive)
+                    .cloned()
+                    .collect(),
+                Inputs::All(s) => {
+                    err(
+                        &mut errs,
+                        format!("{path}.inputs"),
+                        format!("expected a list of topics, got `{s}`"),
+                    );
+                    Vec::new()
+                }
+            };
+            let check_ports = |errs: &mut Vec<TopologyError>,
+                               field: &str,
+                               list: &[String],
+                               allowed: Option<&[SchemaId]>,
+                               verb: &str| {
+                for (i, t) in list.iter().enumerate() {
+                    let p = format!("{path}.{field}[{i}]");
+                    match topics.get(t) {
+                        None => errs.push(TopologyError {
+                            path: p,
+                            message: format!("topic `{t}` is not declared under topics"),
+                        }),
+                        Some(decl) => {
+                            if let Some(allowed) = allowed
+                                && !allowed.contains(&decl.schema)
+                            {
+                                errs.push(TopologyError {
+                                    path: p,
+                                    message: format!(
+                                        "topic `{t}` carries schema `{}`, but a `{kind}` stage {verb} {}",
+                                        decl.schema,
+                                        if allowed.is_empty() {
+                                            "nothing here".to_string()
+                                        } else {
+                                            allowed
+                                                .iter()
+                                                .map(|s| format!("`{s}`"))
+                                                .collect::<Vec<_>>()
+                                                .join(" or ")
+                                        }
+                                    ),
+                                })
+                            }
+                        }
+                    }
+                }
+            };
+            check_ports(&mut errs, "inputs", &inputs, ports.inputs, "consumes");
+            check_ports(
+                &mut errs,
+                "broadcast",
+                &raw.broadcast,
+                Some(ports.broadcast),
+                "reads as broadcast",
+            );
+            check_ports(&mut errs, "outputs", &raw.outputs, Some(ports.outputs), "emits");
+            if raw.replicas == 0 {
+                err(&mut errs, format!("{path}.replicas"), "must be at least 1".into());
+            }
+            for t in &inputs {
+                if let Some(decl) = topics.get(t)
+                    && raw.replicas > decl.partitions
+                {
+                    err(
+                        &mut errs,
+                        format!("{path}.replicas"),
+                        format!(
+                            "{} replicas but input topic `{t}` has only {} partitions (replicas beyond that idle)",
+                            raw.replicas, decl.partitions
+                        ),
+                    );
+                }
+            }
+            for m in check_config(kind, &raw.config) {
+                err(&mut errs, format!("{path}.config"), m);
+            }
+            stages.insert(
+                name,
+                StageDecl {
+                    kind,
+                    inputs,
+                    broadcast: raw.broadcast,
+                    outputs: raw.outputs,
+                    replicas: raw.replicas,
+                    config: raw.config,
+                },
+            );
+        }
+        let topo = Topology {
+            bus,
+            run_id,
+            run_dir,
+            dead_letter,
+            topics,
+            stages,
+        };
+        errs.extend(topo.check_cycles());
+        if errs.is_empty() { Ok(topo) } else { Err(errs) }
+    }
+
+    /// Reads and validates a file.
+    pub fn load(path: &std::path::Path, check_config: ConfigCheck<'_>) -> Result<Topology, Vec<TopologyError>> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            vec![TopologyError {
+                path: path.display().to_string(),
+                message: format!("cannot read: {e}"),
+            }]
+        })?;
+        Self::parse(&text, check_config)
+    }
+
+    /// Legal but suspicious wiring: a topic a stage consumes that no stage emits to (fine
+    /// when `streamrl replay` or an outside producer feeds it).
+    pub fn warnings(&self) -> Vec<TopologyError> {
+        let produced: BTreeSet<&String> = self.stages.values().flat_map(|s| &s.outputs).collect();
+        let mut out = Vec::new();
+        for (name, s) in &self.stages {
+            if s.kind == StageKind::Archive {
+                continue;
+            }
+            for (i, t) in s.inputs.iter().enumerate() {
+                if self.topics.contains_key(t) && !produced.contains(t) {
+                    out.push(TopologyError {
+                        path: format!("stages.{name}.inputs[{i}]"),
+                        message: format!(
+                            "no stage emits to topic `{t}`: only replay or an outside producer can feed it"
+                        ),
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Data edges (producer stage → consumer stage through a non-feedback topic) must form
+    /// no cycle; broadcast reads (policy) are control, not data.
+    fn check_cycles(&self) -> Vec<TopologyError> {
+        let mut edges: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+        for (p, ps) in &self.stages {
+            for t in &ps.outputs {
+                if self.topics.get(t).is_none_or(|d| d.feedback) {
+                    continue;
+                }
+                for (c, cs) in &self.stages {
+                    if cs.kind != StageKind::Archive && cs.inputs.contains(t) {
+                        edges.entry(p.as_str()).or_default().insert(c.as_str());
+                    }
+                }
+            }
+        }
+        // Depth-first search with colours; report each cycle once.
+        let mut state: BTreeMap<&str, u8> = BTreeMap::new();
+        let mut out = Vec::new();
+        fn visit<'a>(
+            n: &'a str,
+            edges: &BTreeMap<&'a str, BTreeSet<&'a str>>,
+            state: &mut BTreeMap<&'a str, u8>,
+            stack: &mut Vec<&'a str>,
+            out: &mut Vec<TopologyError>,
+        ) {
+            state.insert(n, 1);
+            stack.push(n);
+            for &m in edges.get(n).into_iter().flatten() {
+                match state.get(m).copied().unwrap_or(0) {
+                    0 => visit(m, edges, state, stack, out),
+                    1 => {
+                        let from = stack.iter().position(|&x| x == m).unwrap_or(0);
+                        let mut cycle: Vec<&str> = stack[from..].to_vec();
+                        cycle.push(m);
+                        out.push(TopologyError {
+                            path: format!("stages.{m}"),
+                            message: format!(
+                                "cycle {}: mark the topic that closes it as `feedback: true` if it is meant (like continuations)",
+                                cycle.join(" → ")
+                            ),
+                        });
+                    }
+                    _ => {}
+                }
+            }
+            stack.pop();
+            state.insert(n, 2);
+        }
+        for n in self.stages.keys() {
+            if state.get(n.as_str()).copied().unwrap_or(0) == 0 {
+                visit(n, &edges, &mut state, &mut Vec::new(), &mut out);
+            }
+        }
+        out
+    }
+
+    /// Bus topic specs for every declared topic.
+    pub fn topic_specs(&self) -> Vec<TopicSpec> {
+        self.topics
+            .iter()
+            .map(|(n, t)| TopicSpec {
+                name: n.clone(),
+                partitions: t.partitions,
+                max_unconsumed_bytes: t.max_unconsumed_bytes,
+            })
+            .collect()
+    }
+
+    /// The runtime config of one replica of `stage`.
+    pub fn runner_config(&self, stage: &str, replica: u32) -> Option<RunnerConfig> {
+        let s = self.stages.get(stage)?;
+        let bind = |t: &String| {
+            self.topics.get(t).map(|d| TopicBinding {
+                name: t.clone(),
+                schema: d.schema,
+                key: d.key.clone(),
+            })
+        };
+        let mut cfg = RunnerConfig::new(stage, self.dead_letter.clone());
+        cfg.replica = replica;
+        cfg.inputs = s.inputs.iter().filter_map(bind).collect();
+        cfg.broadcast = s.broadcast.iter().filter_map(bind).collect();
+        cfg.outputs = s.outputs.iter().filter_map(bind).collect();
+        Some(cfg)
+    }
+
+    /// A Mermaid flowchart of stages and topics.
+    pub fn to_mermaid(&self) -> String {
+        let mut s = String::from("flowchart LR\n");
+        for (n, t) in &self.topics {
+            s.push_str(&format!("  t_{n}[(\"{n}<br/>{} × {}\")]\n", t.schema, t.partitions));
+        }
+        for (n, st) in &self.stages {
+            s.push_str(&format!("  s_{n}[\"{n} ({}) × {}\"]\n", st.kind, st.replicas));
+            for t in &st.inputs {
+                s.push_str(&format!("  t_{t} --> s_{n}\n"));
+            }
+            for t in &st.broadcast {
+                s.push_str(&format!("  t_{t} -. broadcast .-> s_{n}\n"));
+            }
+            for t in &st.outputs {
+                let arrow = if self.topics.get(t).is_some_and(|d| d.feedback) {
+                    "-. feedback .->"
+                } else {
+                    "-->"
+                };
+                s.push_str(&format!("  s_{n} {arrow} t_{t}\n"));
+            }
+        }
+        s
+    }
+
+    /// A Graphviz DOT graph of stages and topics.
+    pub fn to_dot(&self) -> String {
+        let mut s = String::from("digraph streamrl {\n  rankdir=LR;\n");
+        for (n, t) in &self.topics {
+            s.push_str(&format!(
+                "  \"t:{n}\" [shape=cylinder,label=\"{n}\\n{} × {}\"];\n",
+                t.schema, t.partitions
+            ));
+        }
+        for (n, st) in &self.stages {
+            s.push_str(&format!(
+                "  \"s:{n}\" [shape=box,label=\"{n} ({}) × {}\"];\n",
+                st.kind, st.replicas
+            ));
+            for t in &st.inputs {
+                s.push_str(&format!("  \"t:{t}\" -> \"s:{n}\";\n"));
+            }
+            for t in &st.broadcast {
+                s.push_str(&format!("  \"t:{t}\" -> \"s:{n}\" [style=dashed,label=broadcast];\n"));
+            }
+            for t in &st.outputs {
+                let style = if self.topics.get(t).is_some_and(|d| d.feedback) {
+                    " [style=dashed,label=feedback]"
+                } else {
+                    ""
+                };
+                s.push_str(&format!("  \"s:{n}\" -> \"t:{t}\"{style};\n"));
+            }
+        }
+        s.push_str("}\n");
+        s
+    }
+}
+
+fn key_str(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => serde_yaml::to_string(other).unwrap_or_default().trim().to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+bus: memory://
+topics:
+  prompts:       { schema: prompts, partitions: 2, key: group_id }
+  rollouts:      { schema: rollouts, partitions: 2, key: group_id }
+  continuations: { schema: continuations, partitions: 2, key: rollout_id, feedback: true }
+  executed:      { schema: executed, partitions: 2, key: group_id }
+  policy:        { schema: policy }
+  dead_letter:   { schema: dead_letter }
+stages:
+  source:  { kind: source, outputs: [prompts], broadcast: [policy] }
+  rollout: { kind: rollout, inputs: [prompts, continuations], broadcast: [policy], outputs: [rollouts], replicas: 2 }
+  sandbox: { kind: sandbox, inputs: [rollouts], outputs: [executed, continuations], replicas: 2 }
+  archive: { kind: archive, inputs: all }
+"#;
+
+    fn none(_: StageKind, _: &Value) -> Vec<String> {
+        vec![]
+    }
+
+    #[test]
+    fn a_feedback_cycle_is_allowed_and_all_expands() {
+        let t = Topology::parse(GOOD, &none).unwrap();
+        assert_eq!(t.stages["archive"].inputs.len(), 6);
+        let cfg = t.runner_config("rollout", 1).unwrap();
+        assert_eq!(cfg.instance(), "rollout-1");
+        assert_eq!(cfg.inputs[1].key.as_deref(), Some("rollout_id"));
+    }
+
+    #[test]
+    fn an_undeclared_cycle_is_refused() {
+        let yaml = GOOD.replace(", feedback: true", "");
+        let errs = Topology::parse(&yaml, &none).unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert!(errs[0].message.contains("rollout → sandbox → rollout"), "{}", errs[0]);
+    }
+
+    #[test]
+    fn five_mistakes_are_all_reported_with_paths() {
+        let yaml = r#"
+bus: memory://
+topics:
+  prompts:     { schema: prompts, partitions: 2, key: group_id }
+  rollouts:    { schema: executed, partitions: 2 }
+  dead_letter: { schema: dead_letter }
+stages:
+  source:  { kind: sorce, outputs: [prompts] }
+  rollout: { kind: rollout, inputs: [prompts], outputs: [rollouts, scoredd], replicas: 3 }
+  reward:  { kind: reward, inputs: [rollouts], outputs: [], config: { weigth: 1 } }
+"#;
+        let check = |k: StageKind, v: &Value| -> Vec<String> {
+            if k == StageKind::Reward && !v.is_null() {
+                vec!["unknown field `weigth`".into()]
+            } else {
+                vec![]
+            }
+        };
+        let errs = Topology::parse(yaml, &check).unwrap_err();
+        let paths: Vec<&str> = errs.iter().map(|e| e.path.as_str()).collect();
+        for want in [
+            "stages.source.kind",
+            "stages.rollout.outputs[0]",
+            "stages.rollout.outputs[1]",
+            "stages.rollout.replicas",
+            "stages.reward.config",
+        ] {
+            assert!(paths.contains(&want), "missing {want} in {errs:#?}");
+        }
+    }
+
+    #[test]
+    fn unknown_fields_name_the_field() {
+        let yaml = "bus: memory://\nbsu: x\ntopics:\n  dead_letter: { schema: dead_letter, partitons: 2 }\n";
+        let errs = Topology::parse(yaml, &none).unwrap_err();
+        let text: Vec<String> = errs.iter().map(ToString::to_string).collect();
+        assert!(text.iter().any(|e| e.starts_with("bsu:")), "{text:?}");
+        assert!(
+            text.iter()
+                .any(|e| e.starts_with("topics.dead_letter:") && e.contains("partitons")),
+            "{text:?}"
+        );
+    }
+}

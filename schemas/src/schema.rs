@@ -1,0 +1,334 @@
+//! The Arrow schema of every topic, and its fingerprint.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::{Arc, OnceLock};
+
+use arrow::datatypes::{DataType, Field, Fields, Schema, SchemaRef, TimeUnit};
+use sha2::{Digest, Sha256};
+
+use crate::fields as f;
+use crate::{Error, Result};
+
+/// The schema a topic carries. Topic names are free in topology.yaml; each topic declares
+/// one of these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SchemaId {
+    /// One message per group: a problem to sample `group_size` times.
+    Prompts,
+    /// One row per generated sample (one turn of a trajectory).
+    Rollouts,
+    /// A trajectory to extend after a tool call (tool output appended).
+    Continuations,
+    /// A rollout after sandbox execution (or pass-through).
+    Executed,
+    /// An executed rollout with its reward and reward components.
+    Scored,
+    /// A trainable sample: tokens, sampler logprobs, loss mask, advantage.
+    Samples,
+    /// A new policy version in the checkpoint store.
+    Policy,
+    /// One metric value.
+    Metrics,
+    /// A message that could not be processed, with the reason.
+    DeadLetter,
+}
+
+impl SchemaId {
+    /// Every schema, in pipeline order.
+    pub const ALL: [SchemaId; 9] = [
+        SchemaId::Prompts,
+        SchemaId::Rollouts,
+        SchemaId::Continuations,
+        SchemaId::Executed,
+        SchemaId::Scored,
+        SchemaId::Samples,
+        SchemaId::Policy,
+        SchemaId::Metrics,
+        SchemaId::DeadLetter,
+    ];
+
+    /// The schema's name as written in topology.yaml and in the `streamrl-schema` header.
+    pub fn name(self) -> &'static str {
+        match self {
+            SchemaId::Prompts => "prompts",
+            SchemaId::Rollouts => "rollouts",
+            SchemaId::Continuations => "continuations",
+            SchemaId::Executed => "executed",
+            SchemaId::Scored => "scored",
+            SchemaId::Samples => "samples",
+            SchemaId::Policy => "policy",
+            SchemaId::Metrics => "metrics",
+            SchemaId::DeadLetter => "dead_letter",
+        }
+    }
+
+    /// The Arrow schema (built once).
+    pub fn schema(self) -> SchemaRef {
+        static SCHEMAS: OnceLock<Vec<SchemaRef>> = OnceLock::new();
+        let all = SCHEMAS.get_or_init(|| {
+            SchemaId::ALL
+                .iter()
+                .map(|s| Arc::new(Schema::new(s.build_fields())))
+                .collect()
+        });
+        all[self as usize].clone()
+    }
+
+    /// First 16 hex digits of the SHA-256 of the schema's canonical form (field names,
+    /// types and nullability, in order). Any change to a schema changes its fingerprint.
+    pub fn fingerprint(self) -> &'static str {
+        static PRINTS: OnceLock<Vec<String>> = OnceLock::new();
+        let all = PRINTS.get_or_init(|| SchemaId::ALL.iter().map(|s| fingerprint_of(&s.schema())).collect());
+        &all[self as usize]
+    }
+
+    fn build_fields(self) -> Vec<Field> {
+        let mut v = match self {
+            SchemaId::Prompts => vec![
+                utf8(f::RUN_ID),
+                utf8(f::PROBLEM_ID),
+                utf8(f::GROUP_ID),
+                utf8(f::ENV),
+                u64f(f::STEP),
+                u32f(f::GROUP_SIZE),
+                utf8(f::PROMPT),
+                list(f::PROMPT_TOKEN_IDS, DataType::UInt32),
+                utf8_null(f::ANSWER),
+                utf8_null(f::INFO),
+                Field::new(f::TEMPERATURE, DataType::Float32, false),
+                u32f(f::MAX_TOKENS),
+            ],
+            SchemaId::Rollouts => trajectory_fields(),
+            SchemaId::Continuations => {
+                let mut v = trajectory_fields();
+                v.push(tool_outputs_field());
+                v
+            }
+            SchemaId::Executed => {
+                let mut v = trajectory_fields();
+                v.extend(execution_fields());
+                v
+            }
+            SchemaId::Scored => {
+                let mut v = trajectory_fields();
+                v.extend(execution_fields());
+                v.push(Field::new(f::REWARD, DataType::Float32, false));
+                v.push(reward_components_field());
+                v
+            }
+            SchemaId::Samples => vec![
+                utf8(f::RUN_ID),
+                utf8(f::PROBLEM_ID),
+                utf8(f::GROUP_ID),
+                utf8(f::ROLLOUT_ID),
+                utf8(f::SAMPLE_ID),
+                utf8(f::ENV),
+                u64f(f::STEP),
+                u32f(f::TURN),
+                list(f::PROMPT_TOKEN_IDS, DataType::UInt32),
+                list(f::COMPLETION_TOKEN_IDS, DataType::UInt32),
+                list(f::COMPLETION_LOGPROBS, DataType::Float32),
+                list(f::COMPLETION_VERSIONS, DataType::UInt32),
+                list(f::LOSS_MASK, DataType::Boolean),
+                utf8(f::FINISH_REASON),
+                Field::new(f::REWARD, DataType::Float32, false),
+                Field::new(f::ADVANTAGE, DataType::Float32, false),
+            ],
+            SchemaId::Policy => vec![
+                utf8(f::RUN_ID),
+                u32f(f::VERSION),
+                u64f(f::STEP),
+                utf8(f::URI),
+                utf8(f::SHA256),
+            ],
+            SchemaId::Metrics => vec![
+                utf8(f::RUN_ID),
+                u64f(f::STEP),
+                utf8(f::STAGE),
+                utf8(f::NAME),
+                Field::new(f::VALUE, DataType::Float64, false),
+            ],
+            SchemaId::DeadLetter => vec![
+                utf8(f::TOPIC),
+                u32f(f::PARTITION),
+                u64f(f::OFFSET),
+                Field::new(f::KEY, DataType::Binary, true),
+                utf8(f::STAGE),
+                utf8(f::REASON),
+                utf8(f::HEADERS_JSON),
+                Field::new(f::PAYLOAD, DataType::Binary, false),
+            ],
+        };
+        v.push(timestamp(f::CREATED_AT));
+        v
+    }
+}
+
+impl fmt::Display for SchemaId {
+    fn fmt(&self, fm: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fm.write_str(self.name())
+    }
+}
+
+impl FromStr for SchemaId {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        SchemaId::ALL
+            .into_iter()
+            .find(|id| id.name() == s)
+            .ok_or_else(|| Error::UnknownSchema(s.to_string()))
+    }
+}
+
+fn fingerprint_of(schema: &Schema) -> String {
+    let mut h = Sha256::new();
+    for field in schema.fields() {
+        h.update(format!(
+            "{}:{}:{};",
+            field.name(),
+            field.data_type(),
+            field.is_nullable()
+        ));
+    }
+    hex::encode(&h.finalize()[..8])
+}
+
+/// Columns shared by rollouts, continuations, executed and scored: one trajectory turn.
+fn trajectory_fields() -> Vec<Field> {
+    vec![
+        utf8(f::RUN_ID),
+        utf8(f::PROBLEM_ID),
+        utf8(f::GROUP_ID),
+        utf8(f::ROLLOUT_ID),
+        utf8(f::SAMPLE_ID),
+        utf8(f::ENV),
+        u64f(f::STEP),
+        u32f(f::SAMPLE_INDEX),
+        u32f(f::TURN),
+        utf8(f::PROMPT),
+        list(f::PROMPT_TOKEN_IDS, DataType::UInt32),
+        utf8(f::COMPLETION),
+        list(f::COMPLETION_TOKEN_IDS, DataType::UInt32),
+        list(f::COMPLETION_LOGPROBS, DataType::Float32),
+        list(f::COMPLETION_VERSIONS, DataType::UInt32),
+        list(f::LOSS_MASK, DataType::Boolean),
+        utf8(f::FINISH_REASON),
+        tool_calls_field(),
+        utf8_null(f::ANSWER),
+        utf8_null(f::INFO),
+        Field::new(f::TEMPERATURE, DataType::Float32, false),
+        timestamp(f::STARTED_AT),
+        timestamp(f::FINISHED_AT),
+    ]
+}
+
+fn execution_fields() -> Vec<Field> {
+    vec![
+        tool_outputs_field(),
+        utf8(f::EXEC_STATUS),
+        Field::new(f::EXIT_CODE, DataType::Int32, true),
+        utf8(f::STDOUT),
+        utf8(f::STDERR),
+        u64f(f::EXEC_DURATION_MS),
+        u32f(f::TESTS_PASSED),
+        u32f(f::TESTS_TOTAL),
+    ]
+}
+
+fn tool_calls_field() -> Field {
+    struct_list(
+        f::TOOL_CALLS,
+        vec![
+            utf8(f::tool_call::ID),
+            utf8(f::tool_call::NAME),
+            utf8(f::tool_call::ARGUMENTS),
+        ],
+    )
+}
+
+fn tool_outputs_field() -> Field {
+    struct_list(
+        f::TOOL_OUTPUTS,
+        vec![
+            utf8(f::tool_output::CALL_ID),
+            utf8(f::tool_output::NAME),
+            utf8(f::tool_output::OUTPUT),
+            utf8(f::tool_output::STATUS),
+        ],
+    )
+}
+
+fn reward_components_field() -> Field {
+    struct_list(
+        f::REWARD_COMPONENTS,
+        vec![
+            utf8(f::reward_component::NAME),
+            Field::new(f::reward_component::VALUE, DataType::Float32, false),
+            Field::new(f::reward_component::WEIGHT, DataType::Float32, false),
+            utf8(f::reward_component::REASON),
+        ],
+    )
+}
+
+fn utf8(name: &str) -> Field {
+    Field::new(name, DataType::Utf8, false)
+}
+
+fn utf8_null(name: &str) -> Field {
+    Field::new(name, DataType::Utf8, true)
+}
+
+fn u32f(name: &str) -> Field {
+    Field::new(name, DataType::UInt32, false)
+}
+
+fn u64f(name: &str) -> Field {
+    Field::new(name, DataType::UInt64, false)
+}
+
+fn timestamp(name: &str) -> Field {
+    Field::new(
+        name,
+        DataType::Timestamp(TimeUnit::Millisecond, Some("UTC".into())),
+        false,
+    )
+}
+
+fn list(name: &str, item: DataType) -> Field {
+    Field::new(name, DataType::List(Arc::new(Field::new("item", item, false))), false)
+}
+
+fn struct_list(name: &str, fields: Vec<Field>) -> Field {
+    let item = Field::new("item", DataType::Struct(Fields::from(fields)), false);
+    Field::new(name, DataType::List(Arc::new(item)), false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_fingerprints_differ() {
+        let mut prints = std::collections::HashSet::new();
+        for id in SchemaId::ALL {
+            assert_eq!(id.name().parse::<SchemaId>().unwrap(), id);
+            assert_eq!(id.fingerprint().len(), 16);
+            assert!(prints.insert(id.fingerprint()), "{id} shares a fingerprint");
+        }
+        let err = "rollout".parse::<SchemaId>().unwrap_err().to_string();
+        assert!(err.contains("`rollout`"), "{err}");
+    }
+
+    #[test]
+    fn every_schema_has_run_or_topic_and_created_at() {
+        for id in SchemaId::ALL {
+            let s = id.schema();
+            assert!(s.field_with_name(f::CREATED_AT).is_ok(), "{id}");
+        }
+        let scored = SchemaId::Scored.schema();
+        for name in [f::REWARD, f::REWARD_COMPONENTS, f::EXEC_STATUS, f::COMPLETION_VERSIONS] {
+            assert!(scored.field_with_name(name).is_ok(), "scored lacks {name}");
+        }
+    }
+}

@@ -1,0 +1,405 @@
+//! `streamrl`: asynchronous RL post-training as a dataflow pipeline over a message bus.
+//!
+//! One binary for every stage and tool: `validate`, `graph`, `run` (every stage of
+//! topology.yaml in one process), `stage` (one stage, for separate processes), `topics`,
+//! `query` (SQL over the Parquet archive), `replay`, and `bench`.
+
+mod bench;
+mod stages;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use streamrl_archive::{OutputFormat, Sql, format_batches};
+use streamrl_runtime::bus;
+use streamrl_runtime::runner::{Shutdown, StageMetrics, run_stage};
+use streamrl_runtime::topology::Topology;
+
+#[derive(Parser)]
+#[command(
+    name = "streamrl",
+    version,
+    about = "Asynchronous RL post-training for language models, as stages over a message bus"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Check a topology and print every problem with its key path.
+    Validate {
+        /// Topology file.
+        #[arg(short, long, default_value = "topology.yaml")]
+        topology: PathBuf,
+    },
+    /// Print the pipeline as a Mermaid (default) or DOT graph.
+    Graph {
+        /// Topology file.
+        #[arg(short, long, default_value = "topology.yaml")]
+        topology: PathBuf,
+        /// mermaid or dot.
+        #[arg(long, default_value = "mermaid")]
+        format: String,
+    },
+    /// Run every stage of the topology in this process (memory bus by default).
+    Run {
+        /// Topology file.
+        #[arg(short, long, default_value = "topology.yaml")]
+        topology: PathBuf,
+        /// Override the topology's bus URL.
+        #[arg(long)]
+        bus: Option<String>,
+    },
+    /// Run one replica of one stage (for separate processes on a shared Kafka bus).
+    Stage {
+        /// Stage name in the topology.
+        name: String,
+        /// Bus URL (overrides the topology's).
+        #[arg(long, env = "STREAMRL_BUS")]
+        bus: Option<String>,
+        /// Replica index.
+        #[arg(long, default_value_t = 0, env = "STREAMRL_REPLICA")]
+        replica: u32,
+        /// Topology file.
+        #[arg(short, long, default_value = "topology.yaml", env = "STREAMRL_TOPOLOGY")]
+        topology: PathBuf,
+    },
+    /// Per topic: partitions, offsets and the lag of every consuming stage.
+    Topics {
+        /// Bus URL (overrides the topology's).
+        #[arg(long)]
+        bus: Option<String>,
+        /// Topology file.
+        #[arg(short, long, default_value = "topology.yaml")]
+        topology: PathBuf,
+    },
+    /// Run SQL over the archived topics (one table per topic).
+    Query {
+        /// The SQL.
+        sql: String,
+        /// Run directory holding `archive/` (default: the topology's run_dir).
+        #[arg(long)]
+        run_dir: Option<PathBuf>,
+        /// table, csv, json or parquet.
+        #[arg(long, default_value = "table")]
+        format: String,
+        /// Write to this file instead of stdout (required for parquet).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Topology file (for the default run_dir).
+        #[arg(short, long, default_value = "topology.yaml")]
+        topology: PathBuf,
+    },
+    /// Republish archived rows of a topic to a bus.
+    Replay {
+        /// Archived topic to read.
+        #[arg(long)]
+        topic: String,
+        /// SQL predicate selecting rows, e.g. "step = 3".
+        #[arg(long = "where")]
+        predicate: Option<String>,
+        /// Bus URL to publish to.
+        #[arg(long)]
+        bus: String,
+        /// Target topic (default: the same name).
+        #[arg(long)]
+        to: Option<String>,
+        /// Rows per message at most.
+        #[arg(long, default_value_t = 1024)]
+        batch_rows: usize,
+        /// Run directory holding `archive/` (default: the topology's run_dir).
+        #[arg(long)]
+        run_dir: Option<PathBuf>,
+        /// Topology file (topic schemas and keys).
+        #[arg(short, long, default_value = "topology.yaml")]
+        topology: PathBuf,
+    },
+    /// Benchmarks that print a table with a ratio against a baseline run in-process.
+    Bench {
+        #[command(subcommand)]
+        which: bench::Which,
+    },
+}
+
+fn load(path: &std::path::Path) -> Result<Topology> {
+    Topology::load(path, &stages::check_config).map_err(|errs| {
+        let mut msg = format!("{} has {} problem(s):", path.display(), errs.len());
+        for e in &errs {
+            msg.push_str(&format!("\n  {e}"));
+        }
+        anyhow::anyhow!(msg)
+    })
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let _telemetry = match streamrl_runtime::telemetry::init("streamrl") {
+        Ok(g) => Some(g),
+        Err(e) => {
+            eprintln!("warning: {e}");
+            None
+        }
+    };
+    match dispatch(cli).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn dispatch(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Validate { topology } => {
+            let t = load(&topology)?;
+            println!(
+                "{} is valid: bus {}, {} topics, {} stages ({} replicas)",
+                topology.display(),
+                t.bus,
+                t.topics.len(),
+                t.stages.len(),
+                t.stages.values().map(|s| s.replicas).sum::<u32>()
+            );
+            for w in t.warnings() {
+                println!("warning: {w}");
+            }
+            let missing = stages::unbuilt(&t);
+            if !missing.is_empty() {
+                println!("note: stage kinds not in this build yet: {}", missing.join(", "));
+            }
+            Ok(())
+        }
+        Command::Graph { topology, format } => {
+            let t = load(&topology)?;
+            match format.as_str() {
+                "mermaid" => print!("{}", t.to_mermaid()),
+                "dot" => print!("{}", t.to_dot()),
+                other => bail!("unknown graph format `{other}` (known: mermaid, dot)"),
+            }
+            Ok(())
+        }
+        Command::Run { topology, bus } => {
+            let mut t = load(&topology)?;
+            if let Some(b) = bus {
+                t.bus = b;
+            }
+            run_all(t).await
+        }
+        Command::Stage {
+            name,
+            bus,
+            replica,
+            topology,
+        } => {
+            let mut t = load(&topology)?;
+            if let Some(b) = bus {
+                t.bus = b;
+            }
+            let decl = t.stages.get(&name).with_context(|| {
+                format!(
+                    "no stage `{name}` in {} (stages: {})",
+                    topology.display(),
+                    t.stages.keys().cloned().collect::<Vec<_>>().join(", ")
+                )
+            })?;
+            if replica >= decl.replicas {
+                bail!(
+                    "replica {replica} of `{name}`: the topology declares {} replica(s)",
+                    decl.replicas
+                );
+            }
+            let bus = bus::connect(&t.bus).await?;
+            create_topics(&bus, &t).await?;
+            let shutdown = Shutdown::new();
+            shutdown.on_signals();
+            let metrics = Arc::new(StageMetrics::default());
+            let stage = stages::build(&t, &name, replica)?;
+            let cfg = t.runner_config(&name, replica).expect("stage exists");
+            run_stage(bus, cfg, stage, shutdown, metrics.clone()).await?;
+            print_metrics(&[(format!("{name}-{replica}"), metrics)]);
+            Ok(())
+        }
+        Command::Topics { bus, topology } => {
+            let t = load(&topology)?;
+            let url = bus.unwrap_or(t.bus.clone());
+            let bus = bus::connect(&url).await?;
+            println!(
+                "{:<16} {:>4} {:>12} {:>12}  lag by stage",
+                "topic", "part", "start", "end"
+            );
+            let existing = bus.topics().await?;
+            for name in t.topics.keys() {
+                if !existing.contains(name) {
+                    println!("{name:<16} (not created on {url})");
+                    continue;
+                }
+                let groups: Vec<String> = t
+                    .stages
+                    .iter()
+                    .filter(|(_, s)| s.inputs.contains(name))
+                    .map(|(n, _)| n.clone())
+                    .collect();
+                for p in bus.topic_stats(name, &groups).await? {
+                    let lags: Vec<String> = groups
+                        .iter()
+                        .map(|g| format!("{g}={}", p.lag(g).map_or("-".into(), |l| l.to_string())))
+                        .collect();
+                    println!(
+                        "{name:<16} {:>4} {:>12} {:>12}  {}",
+                        p.partition,
+                        p.start_offset,
+                        p.end_offset,
+                        lags.join(" ")
+                    );
+                }
+            }
+            Ok(())
+        }
+        Command::Query {
+            sql,
+            run_dir,
+            format,
+            out,
+            topology,
+        } => {
+            let run_dir = match run_dir {
+                Some(d) => d,
+                None => load(&topology)?.run_dir,
+            };
+            let format: OutputFormat = format.parse().map_err(anyhow::Error::msg)?;
+            let q = Sql::open(&run_dir).await?;
+            let batches = q.query(&sql).await?;
+            match (out, format) {
+                (None, OutputFormat::Parquet) => bail!("--format parquet needs --out FILE"),
+                (Some(path), f) => {
+                    let mut file =
+                        std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+                    format_batches(&batches, f, &mut file)?;
+                }
+                (None, f) => format_batches(&batches, f, &mut std::io::stdout().lock())?,
+            }
+            Ok(())
+        }
+        Command::Replay {
+            topic,
+            predicate,
+            bus,
+            to,
+            batch_rows,
+            run_dir,
+            topology,
+        } => {
+            let t = load(&topology)?;
+            let run_dir = run_dir.unwrap_or(t.run_dir.clone());
+            let target = to.unwrap_or(topic.clone());
+            let decl = t.topics.get(&target).with_context(|| {
+                format!(
+                    "target topic `{target}` is not declared in {} (its schema and key come from there)",
+                    topology.display()
+                )
+            })?;
+            let bus = bus::connect(&bus).await?;
+            bus.create_topic(&bus::TopicSpec::new(target.clone(), decl.partitions))
+                .await?;
+            let q = Sql::open(&run_dir).await?;
+            let r = streamrl_archive::replay(
+                &q,
+                &topic,
+                predicate.as_deref(),
+                decl.schema,
+                decl.key.as_deref(),
+                &bus,
+                &target,
+                batch_rows,
+            )
+            .await?;
+            println!(
+                "replayed {} rows of `{topic}` as {} messages to `{target}` on {}",
+                r.rows,
+                r.messages,
+                bus.url()
+            );
+            Ok(())
+        }
+        Command::Bench { which } => bench::run(which).await,
+    }
+}
+
+async fn create_topics(bus: &Arc<dyn bus::Bus>, t: &Topology) -> Result<()> {
+    for spec in t.topic_specs() {
+        bus.create_topic(&spec)
+            .await
+            .with_context(|| format!("creating topic `{}`", spec.name))?;
+    }
+    Ok(())
+}
+
+/// Every replica of every stage, in this process; the first failure stops them all.
+async fn run_all(t: Topology) -> Result<()> {
+    let missing = stages::unbuilt(&t);
+    if !missing.is_empty() {
+        bail!(
+            "this build cannot run the pipeline yet: stage kind(s) {} are not implemented (they land with issues #3-#6); \
+             `streamrl validate` checks the topology, and `streamrl stage archive` runs the archive alone",
+            missing.join(", ")
+        );
+    }
+    let bus = bus::connect(&t.bus).await?;
+    create_topics(&bus, &t).await?;
+    let shutdown = Shutdown::new();
+    shutdown.on_signals();
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut all_metrics = Vec::new();
+    for (name, decl) in &t.stages {
+        for r in 0..decl.replicas {
+            let stage = stages::build(&t, name, r)?;
+            let cfg = t.runner_config(name, r).expect("stage exists");
+            let m = Arc::new(StageMetrics::default());
+            all_metrics.push((cfg.instance(), m.clone()));
+            let (bus, sd) = (bus.clone(), shutdown.clone());
+            tasks.spawn(async move { run_stage(bus, cfg, stage, sd, m).await });
+        }
+    }
+    let mut first_err = None;
+    while let Some(r) = tasks.join_next().await {
+        let r = r
+            .map_err(anyhow::Error::from)
+            .and_then(|r| r.map_err(anyhow::Error::from));
+        if let Err(e) = r {
+            shutdown.trigger();
+            first_err.get_or_insert(e);
+        }
+    }
+    print_metrics(&all_metrics);
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+fn print_metrics(all: &[(String, Arc<StageMetrics>)]) {
+    eprintln!(
+        "{:<16} {:>10} {:>10} {:>10} {:>10} {:>7} {:>7} {:>10}",
+        "stage", "in_msgs", "in_rows", "out_msgs", "out_rows", "errors", "dead", "proc_ms"
+    );
+    for (name, m) in all {
+        let s: std::collections::HashMap<_, _> = m.snapshot().into_iter().collect();
+        eprintln!(
+            "{:<16} {:>10} {:>10} {:>10} {:>10} {:>7} {:>7} {:>10}",
+            name,
+            s["in_messages"],
+            s["in_rows"],
+            s["out_messages"],
+            s["out_rows"],
+            s["errors"],
+            s["dead_lettered"],
+            s["processing_ms"]
+        );
+    }
+}

