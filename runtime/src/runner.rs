@@ -61,6 +61,9 @@ pub struct RunnerConfig {
     pub max_backoff: Duration,
     /// Payload compression of outputs.
     pub compression: Compression,
+    /// Where the stage's snapshot is kept (`<dir>/<stage>-<replica>.state`): restored
+    /// before `start`, written atomically after `close`. `None`: not persisted.
+    pub state_dir: Option<std::path::PathBuf>,
 }
 
 impl RunnerConfig {
@@ -77,6 +80,7 @@ impl RunnerConfig {
             initial_backoff: Duration::from_millis(50),
             max_backoff: Duration::from_secs(5),
             compression: Compression::Zstd,
+            state_dir: None,
         }
     }
 
@@ -220,6 +224,22 @@ pub async fn run_stage(
     };
     let mut out = Emitter::default();
     let mut held: Vec<crate::bus::MessageId> = Vec::new();
+    let state_file = cfg
+        .state_dir
+        .as_ref()
+        .map(|d| d.join(format!("{}.state", cfg.instance())));
+    if let Some(path) = state_file.as_ref().filter(|p| p.exists()) {
+        let bytes = std::fs::read(path).map_err(|e| crate::Error::Io {
+            op: "reading stage state",
+            path: path.display().to_string(),
+            source: e,
+        })?;
+        stage.restore(&bytes).map_err(|e| crate::Error::Stage {
+            stage: format!("{} (restore from {})", runner.instance, path.display()),
+            source: e,
+        })?;
+        tracing::info!(stage = %runner.instance, bytes = bytes.len() as i64, "restored state");
+    }
     runner
         .stage_call(&mut out, "start", |s, o| Box::pin(s.start(o)), &mut stage)
         .await?;
@@ -291,8 +311,27 @@ pub async fn run_stage(
     for b in broadcasts {
         b.close().await?;
     }
+    if let (Some(path), Some(state)) = (state_file, stage.snapshot()) {
+        write_atomically(&path, &state)?;
+    }
     tracing::info!(stage = %runner.instance, "stopped cleanly");
     Ok(())
+}
+
+/// Writes `bytes` to `path` via a temporary file and a rename, so readers never see a
+/// partial file.
+fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
+    let io = |op: &'static str, e: std::io::Error| crate::Error::Io {
+        op,
+        path: path.display().to_string(),
+        source: e,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| io("creating the directory of", e))?;
+    }
+    let tmp = path.with_extension("state.tmp");
+    std::fs::write(&tmp, bytes).map_err(|e| io("writing", e))?;
+    std::fs::rename(&tmp, path).map_err(|e| io("renaming into", e))
 }
 
 async fn recv_any(consumers: &mut [Box<dyn Consumer>]) -> Result<Message> {

@@ -611,6 +611,7 @@ impl Topology {
         cfg.inputs = s.inputs.iter().filter_map(bind).collect();
         cfg.broadcast = s.broadcast.iter().filter_map(bind).collect();
         cfg.outputs = s.outputs.iter().filter_map(bind).collect();
+        cfg.state_dir = Some(self.run_dir.join("state"));
         Some(cfg)
     }
 

@@ -1,0 +1,338 @@
+//! streamrl against a real broker as separate processes: `streamrl stage` shuts down
+//! gracefully on SIGTERM (flushes, commits, exits 0), `streamrl replay` republishes
+//! archived rows, and kcat reads what streamrl wrote, with pyarrow decoding a payload.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use streamrl_archive::{ArchiveConfig, ArchiveWriter, Sql};
+use streamrl_runtime::bus::{self, Record};
+use streamrl_schemas::codec::{self, Compression};
+use streamrl_schemas::{Headers, MetricRow, RolloutRow, SchemaId, TopicRow};
+
+fn metric(i: u64) -> MetricRow {
+    MetricRow {
+        run_id: "e2e".into(),
+        step: i,
+        stage: "test".into(),
+        name: "m".into(),
+        value: i as f64,
+        created_at: 0,
+    }
+}
+
+fn topology(dir: &Path, metrics_topic: &str, flush_rows: usize) -> PathBuf {
+    let path = dir.join("topology.yaml");
+    let dl = format!("{metrics_topic}-dlq");
+    std::fs::write(
+        &path,
+        format!(
+            "bus: memory://\nrun_dir: {run}\ndead_letter: {dl}\ntopics:\n  {metrics_topic}: {{ schema: metrics, partitions: 2 }}\n  {dl}: {{ schema: dead_letter }}\n\
+             stages:\n  archive: {{ kind: archive, inputs: all, config: {{ flush_rows: {flush_rows}, flush_seconds: 3600 }} }}\n",
+            run = dir.join("run").display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stage_process_flushes_and_commits_on_sigterm() {
+    let url = common::kafka_url();
+    let dir = tempfile::tempdir().unwrap();
+    let topic = common::unique("metrics");
+    let topo = topology(dir.path(), &topic, 4);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_streamrl"))
+        .args(["stage", "archive", "--bus", &url, "--topology"])
+        .arg(&topo)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let bus = bus::connect(&url).await.unwrap();
+    // The stage creates its topics; wait until they exist.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !bus.topics().await.unwrap().contains(&topic) {
+        assert!(tokio::time::Instant::now() < deadline, "stage never created its topics");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let p = bus.producer("e2e").await.unwrap();
+    for i in 0..10 {
+        let payload = codec::encode(&MetricRow::to_batch(&[metric(i)]).unwrap(), Compression::Zstd).unwrap();
+        let rec = Record::new(payload)
+            .with_key(format!("k{i}"))
+            .with_headers(Headers::data(SchemaId::Metrics, "e2e").to_wire());
+        p.send(&topic, rec).await.unwrap().await.unwrap();
+    }
+    // flush_rows 4: 8 rows reach disk and are committed; 2 stay held (unacknowledged).
+    let committed = || async {
+        let stats = bus.topic_stats(&topic, &["archive".to_string()]).await.unwrap();
+        stats.iter().map(|s| s.committed[0].1.unwrap_or(0)).sum::<u64>()
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while committed().await < 8 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "archive did not commit its first flushes"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Let auto-commit settle so that the held pair is observably uncommitted.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        committed().await,
+        8,
+        "held rows are not committed before they are on disk"
+    );
+
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = tokio::task::spawn_blocking(move || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(_s) = child.try_wait().unwrap() {
+                return child.wait_with_output().unwrap();
+            }
+            assert!(std::time::Instant::now() < deadline, "stage did not exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "exit {:?}:\n{stderr}", out.status);
+    assert!(stderr.contains("stopped cleanly"), "{stderr}");
+    assert_eq!(committed().await, 10, "the rest was flushed and committed at shutdown");
+    let sql = Sql::open(&dir.path().join("run")).await.unwrap();
+    let n = sql
+        .query(&format!("SELECT count(*) AS n, sum(step) AS s FROM \"{topic}\""))
+        .await
+        .unwrap();
+    let text = arrow::util::pretty::pretty_format_batches(&n).unwrap().to_string();
+    assert!(text.contains("| 10 | 45 |"), "{text}");
+}
+
+fn rollout(i: u32) -> RolloutRow {
+    RolloutRow {
+        run_id: "kcat".into(),
+        problem_id: format!("p{}", i / 4),
+        group_id: format!("g{}", i / 4),
+        rollout_id: format!("r{i}"),
+        sample_id: format!("r{i}-0"),
+        env: "arith".into(),
+        step: (i / 8) as u64,
+        sample_index: i % 4,
+        turn: 0,
+        prompt: "1+1=".into(),
+        prompt_token_ids: vec![1, 2, 3],
+        completion: "2".into(),
+        completion_token_ids: vec![4, 5],
+        completion_logprobs: vec![-0.25, -0.5],
+        completion_versions: vec![1, 1],
+        loss_mask: vec![true, true],
+        finish_reason: "stop".into(),
+        tool_calls: vec![],
+        answer: None,
+        info: None,
+        temperature: 1.0,
+        started_at: 0,
+        finished_at: 0,
+        created_at: 0,
+    }
+}
+
+/// librdkafka built by rdkafka-sys (2.12): Debian's kcat links librdkafka 2.0.2, whose
+/// ApiVersions parsing fails against tansu 0.6; with the newer library it works.
+fn newer_librdkafka() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let build = exe.parent()?.parent()?.join("build");
+    std::fs::read_dir(build).ok()?.flatten().find_map(|e| {
+        let p = e.path().join("out/src");
+        p.join("librdkafka.so.1").exists().then_some(p)
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_to_kafka_and_read_it_with_kcat_and_pyarrow() {
+    let url = common::kafka_url();
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = ArchiveWriter::new(dir.path(), "archive-0", ArchiveConfig::default());
+    w.append(
+        "rollouts",
+        SchemaId::Rollouts,
+        RolloutRow::to_batch(&(0..32).map(rollout).collect::<Vec<_>>()).unwrap(),
+    );
+    w.flush_all().unwrap();
+
+    let target = common::unique("rollouts");
+    let topo = dir.path().join("topology.yaml");
+    std::fs::write(
+        &topo,
+        format!(
+            "topics:\n  {target}: {{ schema: rollouts, partitions: 4, key: group_id }}\n  dead_letter: {{ schema: dead_letter }}\n"
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_streamrl"))
+        .args([
+            "replay",
+            "--topic",
+            "rollouts",
+            "--where",
+            "step >= 2",
+            "--bus",
+            &url,
+            "--to",
+            &target,
+            "--run-dir",
+        ])
+        .arg(dir.path())
+        .arg("--topology")
+        .arg(&topo)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        stdout.contains("replayed 16 rows of `rollouts` as 4 messages"),
+        "{stdout}"
+    );
+
+    // `streamrl topics` lists the target's partitions.
+    let out = Command::new(env!("CARGO_BIN_EXE_streamrl"))
+        .args(["topics", "--bus", &url, "--topology"])
+        .arg(&topo)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(text.lines().filter(|l| l.starts_with(&target)).count(), 4, "{text}");
+    assert!(text.contains("dead_letter") && text.contains("not created"), "{text}");
+
+    // kcat: one line per message with partition, key and the schema header.
+    let (kcat, libdir) = common::kcat();
+    let lib = newer_librdkafka().or(libdir).expect("a librdkafka for kcat");
+    let brokers = url.trim_start_matches("kafka://");
+    let out = Command::new(&kcat)
+        .env("LD_LIBRARY_PATH", &lib)
+        .args([
+            "-b",
+            brokers,
+            "-C",
+            "-t",
+            &target,
+            "-o",
+            "beginning",
+            "-e",
+            "-q",
+            "-f",
+            "%p %k %h\n",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "kcat: {}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(lines.len(), 4, "{lines:?}");
+    for l in &lines {
+        let mut parts = l.splitn(3, ' ');
+        let (p, k, h) = (parts.next().unwrap(), parts.next().unwrap(), parts.next().unwrap());
+        assert_eq!(
+            p.parse::<u32>().unwrap(),
+            bus::partition_for_key(k.as_bytes(), 4),
+            "{l}"
+        );
+        assert!(h.contains("streamrl-schema=rollouts"), "{l}");
+        assert!(
+            h.contains(&format!("streamrl-fingerprint={}", SchemaId::Rollouts.fingerprint())),
+            "{l}"
+        );
+        assert!(h.contains("traceparent=00-"), "{l}");
+    }
+
+    // The README recipe: kcat writes one raw payload, pyarrow reads it as an IPC stream.
+    let payload = Command::new(&kcat)
+        .env("LD_LIBRARY_PATH", &lib)
+        .args([
+            "-b",
+            brokers,
+            "-C",
+            "-t",
+            &target,
+            "-p",
+            "0",
+            "-o",
+            "beginning",
+            "-c",
+            "1",
+            "-e",
+            "-q",
+            "-f",
+            "%s",
+        ])
+        .output()
+        .unwrap();
+    let payload = if payload.stdout.is_empty() {
+        // Partition 0 may have no group; take the first non-empty partition.
+        (1..4)
+            .map(|p| {
+                Command::new(&kcat)
+                    .env("LD_LIBRARY_PATH", &lib)
+                    .args([
+                        "-b",
+                        brokers,
+                        "-C",
+                        "-t",
+                        &target,
+                        "-p",
+                        &p.to_string(),
+                        "-o",
+                        "beginning",
+                        "-c",
+                        "1",
+                        "-e",
+                        "-q",
+                        "-f",
+                        "%s",
+                    ])
+                    .output()
+                    .unwrap()
+                    .stdout
+            })
+            .find(|s| !s.is_empty())
+            .expect("some partition has a message")
+    } else {
+        payload.stdout
+    };
+    let (py, pythonpath) = common::python_with(&["pyarrow==26.0.1"]);
+    let mut cmd = Command::new(py);
+    cmd.args(["-c", "import sys, pyarrow as pa; t = pa.ipc.open_stream(sys.stdin.buffer.read()).read_all(); print(t.num_rows, t.column('group_id')[0], t.schema.field('completion_logprobs').type)"]);
+    if let Some(p) = pythonpath {
+        cmd.env("PYTHONPATH", p);
+    }
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(&payload).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "pyarrow: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("4 g"), "{text}");
+    assert!(text.trim().ends_with("list<item: float not null>"), "{text}");
+}

@@ -1,0 +1,350 @@
+//! The stage runtime on the memory bus: retries with backoff, failures that stop a stage
+//! without acknowledging, key splitting, trace propagation, signals, hold/release, and
+//! snapshot/restore across a restart.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use arrow::record_batch::RecordBatch;
+use async_trait::async_trait;
+use streamrl_runtime::bus::{self, Bus, Consumer, Record, TopicSpec};
+use streamrl_runtime::runner::{RunnerConfig, Shutdown, StageMetrics, TopicBinding, run_stage};
+use streamrl_runtime::{Emitter, Input, Stage, StageError, telemetry};
+use streamrl_schemas::codec::{self, Compression};
+use streamrl_schemas::{Headers, MetricRow, SchemaId, Signal, TopicRow};
+
+fn rows(names: &[&str]) -> RecordBatch {
+    let rows: Vec<MetricRow> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| MetricRow {
+            run_id: "rt".into(),
+            step: i as u64,
+            stage: "t".into(),
+            name: n.to_string(),
+            value: 0.0,
+            created_at: 0,
+        })
+        .collect();
+    MetricRow::to_batch(&rows).unwrap()
+}
+
+struct Rig {
+    bus: Arc<dyn Bus>,
+    cfg: RunnerConfig,
+}
+
+async fn rig(out_key: Option<&str>) -> Rig {
+    let bus = bus::connect(&common::unique("memory://runtime")).await.unwrap();
+    for (t, p) in [("in", 1), ("out", 4), ("dlq", 1)] {
+        bus.create_topic(&TopicSpec::new(t, p)).await.unwrap();
+    }
+    let mut cfg = RunnerConfig::new("stage", "dlq");
+    cfg.inputs.push(TopicBinding {
+        name: "in".into(),
+        schema: SchemaId::Metrics,
+        key: None,
+    });
+    cfg.outputs.push(TopicBinding {
+        name: "out".into(),
+        schema: SchemaId::Metrics,
+        key: out_key.map(str::to_string),
+    });
+    cfg.initial_backoff = Duration::from_millis(1);
+    Rig { bus, cfg }
+}
+
+async fn send(bus: &Arc<dyn Bus>, batch: &RecordBatch, traceparent: Option<&str>) {
+    let mut h = Headers::data(SchemaId::Metrics, "test");
+    h.traceparent = traceparent.map(str::to_string);
+    let rec = Record::new(codec::encode(batch, Compression::Lz4).unwrap()).with_headers(h.to_wire());
+    bus.producer("t")
+        .await
+        .unwrap()
+        .send("in", rec)
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+}
+
+async fn next(c: &mut Box<dyn Consumer>) -> streamrl_runtime::bus::Message {
+    let m = tokio::time::timeout(Duration::from_secs(10), c.recv())
+        .await
+        .expect("no message")
+        .unwrap();
+    c.ack(&m.id()).unwrap();
+    m
+}
+
+/// Fails `fail_times` with the given error, then forwards.
+struct Flaky {
+    calls: Arc<AtomicU32>,
+    fail_times: u32,
+    error: fn() -> StageError,
+}
+
+#[async_trait]
+impl Stage for Flaky {
+    async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst);
+        // Outputs of a failed attempt must be discarded by the runtime.
+        out.emit("out", input.batch.clone());
+        if n < self.fail_times {
+            return Err((self.error)());
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_errors_are_retried_and_outputs_are_delivered_once() {
+    let r = rig(None).await;
+    let calls = Arc::new(AtomicU32::new(0));
+    let stage = Flaky {
+        calls: calls.clone(),
+        fail_times: 3,
+        error: || StageError::transient("server busy"),
+    };
+    let (sd, m) = (Shutdown::new(), Arc::new(StageMetrics::default()));
+    let task = tokio::spawn(run_stage(
+        r.bus.clone(),
+        r.cfg.clone(),
+        Box::new(stage),
+        sd.clone(),
+        m.clone(),
+    ));
+    let mut out = r.bus.subscribe("check", &["out".into()]).await.unwrap();
+    send(&r.bus, &rows(&["a"]), None).await;
+    next(&mut out).await;
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), out.recv())
+            .await
+            .is_err(),
+        "delivered once"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+    assert_eq!(m.retries.load(Ordering::Relaxed), 3);
+    sd.trigger();
+    task.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_internal_error_stops_the_stage_and_the_input_is_redelivered() {
+    let r = rig(None).await;
+    let stage = Flaky {
+        calls: Arc::new(AtomicU32::new(0)),
+        fail_times: 1,
+        error: || StageError::internal("invariant broken"),
+    };
+    let task = tokio::spawn(run_stage(
+        r.bus.clone(),
+        r.cfg.clone(),
+        Box::new(stage),
+        Shutdown::new(),
+        Arc::new(StageMetrics::default()),
+    ));
+    send(&r.bus, &rows(&["a"]), None).await;
+    let err = tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("stage-0") && err.contains("a bug in streamrl") && err.contains("invariant broken"),
+        "{err}"
+    );
+    // Nothing was acknowledged: a restarted replica gets the input again and succeeds.
+    let calls = Arc::new(AtomicU32::new(0));
+    let stage = Flaky {
+        calls: calls.clone(),
+        fail_times: 0,
+        error: || StageError::internal("x"),
+    };
+    let sd = Shutdown::new();
+    let task = tokio::spawn(run_stage(
+        r.bus.clone(),
+        r.cfg.clone(),
+        Box::new(stage),
+        sd.clone(),
+        Arc::new(StageMetrics::default()),
+    ));
+    let mut out = r.bus.subscribe("check", &["out".into()]).await.unwrap();
+    next(&mut out).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    sd.trigger();
+    task.await.unwrap().unwrap();
+}
+
+struct Forward;
+
+#[async_trait]
+impl Stage for Forward {
+    async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
+        out.set_policy_version(7);
+        out.emit("out", input.batch);
+        Ok(())
+    }
+    async fn signal(&mut self, _topic: &str, signal: Signal, out: &mut Emitter) -> Result<(), StageError> {
+        out.signal("out", signal);
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outputs_are_split_by_key_and_carry_trace_and_version() {
+    let r = rig(Some("name")).await;
+    let sd = Shutdown::new();
+    let task = tokio::spawn(run_stage(
+        r.bus.clone(),
+        r.cfg.clone(),
+        Box::new(Forward),
+        sd.clone(),
+        Arc::new(StageMetrics::default()),
+    ));
+    let mut out = r.bus.subscribe("check", &["out".into()]).await.unwrap();
+    let tp = telemetry::new_traceparent();
+    send(&r.bus, &rows(&["g1", "g2", "g1", "g3", "g2"]), Some(&tp)).await;
+    let mut by_key = std::collections::BTreeMap::new();
+    for _ in 0..3 {
+        let m = next(&mut out).await;
+        let key = String::from_utf8(m.key.clone().unwrap()).unwrap();
+        assert_eq!(m.partition, bus::partition_for_key(key.as_bytes(), 4));
+        let h = Headers::from_wire(&m.headers).unwrap();
+        assert_eq!(h.policy_version, Some(7));
+        assert_eq!(h.producer, "stage-0");
+        let (trace, _) = telemetry::parse_traceparent(h.traceparent.as_deref().unwrap()).unwrap();
+        assert_eq!(
+            trace,
+            telemetry::parse_traceparent(&tp).unwrap().0,
+            "trace id flows through the stage"
+        );
+        let b = codec::decode(SchemaId::Metrics, &m.headers, &m.payload).unwrap();
+        let steps: Vec<u64> = MetricRow::from_batch(&b).unwrap().iter().map(|r| r.step).collect();
+        by_key.insert(key, steps);
+    }
+    assert_eq!(format!("{by_key:?}"), r#"{"g1": [0, 2], "g2": [1, 4], "g3": [3]}"#);
+
+    // An in-band signal reaches the stage, which forwards it.
+    let h = Headers::signal(SchemaId::Metrics, "test", Signal::EndOfData);
+    r.bus
+        .producer("t")
+        .await
+        .unwrap()
+        .send("in", Record::new(Vec::new()).with_headers(h.to_wire()))
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let m = next(&mut out).await;
+    assert_eq!(Headers::from_wire(&m.headers).unwrap().signal, Some(Signal::EndOfData));
+    sd.trigger();
+    task.await.unwrap().unwrap();
+}
+
+/// Counts rows, holds inputs until every 3rd, and persists its count.
+#[derive(Default)]
+struct Counter {
+    rows: u64,
+    inputs: u64,
+}
+
+#[async_trait]
+impl Stage for Counter {
+    async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
+        self.rows += input.batch.num_rows() as u64;
+        self.inputs += 1;
+        out.hold();
+        if self.inputs.is_multiple_of(3) {
+            out.release_held();
+        }
+        Ok(())
+    }
+    fn snapshot(&self) -> Option<Vec<u8>> {
+        Some(self.rows.to_le_bytes().to_vec())
+    }
+    fn restore(&mut self, state: &[u8]) -> Result<(), StageError> {
+        self.rows = u64::from_le_bytes(
+            state
+                .try_into()
+                .map_err(|_| StageError::internal("state is not 8 bytes"))?,
+        );
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_inputs_commit_on_release_and_state_survives_restart() {
+    let mut r = rig(None).await;
+    let dir = tempfile::tempdir().unwrap();
+    r.cfg.state_dir = Some(dir.path().to_path_buf());
+    let sd = Shutdown::new();
+    let task = tokio::spawn(run_stage(
+        r.bus.clone(),
+        r.cfg.clone(),
+        Box::new(Counter::default()),
+        sd.clone(),
+        Arc::new(StageMetrics::default()),
+    ));
+    for _ in 0..4 {
+        send(&r.bus, &rows(&["a", "b"]), None).await;
+    }
+    let committed = || async { r.bus.topic_stats("in", &["stage".into()]).await.unwrap()[0].committed[0].1 };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while committed().await != Some(3) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "release did not commit the held inputs"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sd.trigger();
+    task.await.unwrap().unwrap();
+    assert_eq!(committed().await, Some(3), "the 4th input is still held: not committed");
+    assert_eq!(
+        std::fs::read(dir.path().join("stage-0.state")).unwrap(),
+        8u64.to_le_bytes()
+    );
+
+    // Restart: state restored (8 rows), the held 4th input comes again (+2), then 2 more.
+    let sd = Shutdown::new();
+    let counter = Arc::new(std::sync::Mutex::new(0u64));
+    struct Probe(Counter, Arc<std::sync::Mutex<u64>>);
+    #[async_trait]
+    impl Stage for Probe {
+        async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
+            self.0.process(input, out).await?;
+            *self.1.lock().unwrap() = self.0.rows;
+            Ok(())
+        }
+        fn snapshot(&self) -> Option<Vec<u8>> {
+            self.0.snapshot()
+        }
+        fn restore(&mut self, s: &[u8]) -> Result<(), StageError> {
+            self.0.restore(s)
+        }
+    }
+    let task = tokio::spawn(run_stage(
+        r.bus.clone(),
+        r.cfg.clone(),
+        Box::new(Probe(Counter::default(), counter.clone())),
+        sd.clone(),
+        Arc::new(StageMetrics::default()),
+    ));
+    send(&r.bus, &rows(&["c", "d"]), None).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while *counter.lock().unwrap() != 12 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "rows seen after restart: {}",
+            counter.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sd.trigger();
+    task.await.unwrap().unwrap();
+}
