@@ -219,28 +219,19 @@ async fn replay_to_kafka_and_read_it_with_kcat_and_pyarrow() {
     let (kcat, libdir) = common::kcat();
     let lib = newer_librdkafka().or(libdir).expect("a librdkafka for kcat");
     let brokers = url.trim_start_matches("kafka://");
-    let out = Command::new(&kcat)
-        .env("LD_LIBRARY_PATH", &lib)
-        .args([
-            "-b",
-            brokers,
-            "-C",
-            "-t",
-            &target,
-            "-o",
-            "beginning",
-            "-e",
-            "-q",
-            "-f",
-            "%p %k %h\n",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "kcat: {}", String::from_utf8_lossy(&out.stderr));
-    let lines: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_string)
-        .collect();
+    let kcat_read = |extra: &[&str], format: &str| {
+        let out = Command::new(&kcat)
+            .env("LD_LIBRARY_PATH", &lib)
+            .args(["-b", brokers, "-C", "-t", &target, "-o", "beginning", "-e", "-q"])
+            .args(extra)
+            .args(["-f", format])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "kcat: {}", String::from_utf8_lossy(&out.stderr));
+        out.stdout
+    };
+    let listing = kcat_read(&[], "%p %k %h\n");
+    let lines: Vec<String> = String::from_utf8_lossy(&listing).lines().map(str::to_string).collect();
     assert_eq!(lines.len(), 4, "{lines:?}");
     for l in &lines {
         let mut parts = l.splitn(3, ' ');
@@ -259,59 +250,8 @@ async fn replay_to_kafka_and_read_it_with_kcat_and_pyarrow() {
     }
 
     // The README recipe: kcat writes one raw payload, pyarrow reads it as an IPC stream.
-    let payload = Command::new(&kcat)
-        .env("LD_LIBRARY_PATH", &lib)
-        .args([
-            "-b",
-            brokers,
-            "-C",
-            "-t",
-            &target,
-            "-p",
-            "0",
-            "-o",
-            "beginning",
-            "-c",
-            "1",
-            "-e",
-            "-q",
-            "-f",
-            "%s",
-        ])
-        .output()
-        .unwrap();
-    let payload = if payload.stdout.is_empty() {
-        // Partition 0 may have no group; take the first non-empty partition.
-        (1..4)
-            .map(|p| {
-                Command::new(&kcat)
-                    .env("LD_LIBRARY_PATH", &lib)
-                    .args([
-                        "-b",
-                        brokers,
-                        "-C",
-                        "-t",
-                        &target,
-                        "-p",
-                        &p.to_string(),
-                        "-o",
-                        "beginning",
-                        "-c",
-                        "1",
-                        "-e",
-                        "-q",
-                        "-f",
-                        "%s",
-                    ])
-                    .output()
-                    .unwrap()
-                    .stdout
-            })
-            .find(|s| !s.is_empty())
-            .expect("some partition has a message")
-    } else {
-        payload.stdout
-    };
+    let first_partition = lines[0].split(' ').next().unwrap().to_string();
+    let payload = kcat_read(&["-p", &first_partition, "-c", "1"], "%s");
     let (py, pythonpath) = common::python_with(&["pyarrow==26.0.1"]);
     let mut cmd = Command::new(py);
     cmd.args(["-c", "import sys, pyarrow as pa; t = pa.ipc.open_stream(sys.stdin.buffer.read()).read_all(); print(t.num_rows, t.column('group_id')[0], t.schema.field('completion_logprobs').type)"]);

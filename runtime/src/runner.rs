@@ -264,29 +264,14 @@ pub async fn run_stage(
                     .stage_call(&mut out, "tick", |s, o| Box::pin(s.tick(o)), &mut stage)
                     .await?;
                 runner.deliver(&mut out).await?;
-                if out.take_flags().1
-                    && let Some(c) = consumer.as_mut()
-                {
-                    for h in held.drain(..) {
-                        c.ack(&h)?;
-                    }
-                }
+                settle(consumer.as_mut(), &mut held, None, out.take_flags())?;
             }
             Some((msg, is_broadcast)) => {
                 let msg = msg?;
                 let id = msg.id();
                 runner.handle(msg, &mut stage, &mut out).await?;
-                let (hold, release) = out.take_flags();
-                if let Some(c) = consumer.as_mut() {
-                    if !is_broadcast {
-                        if hold { held.push(id) } else { c.ack(&id)? }
-                    }
-                    if release {
-                        for h in held.drain(..) {
-                            c.ack(&h)?;
-                        }
-                    }
-                }
+                let input = (!is_broadcast).then_some(id);
+                settle(consumer.as_mut(), &mut held, input, out.take_flags())?;
             }
         }
     }
@@ -294,13 +279,7 @@ pub async fn run_stage(
         .stage_call(&mut out, "close", |s, o| Box::pin(s.close(o)), &mut stage)
         .await?;
     runner.deliver(&mut out).await?;
-    if out.take_flags().1
-        && let Some(c) = consumer.as_mut()
-    {
-        for h in held.drain(..) {
-            c.ack(&h)?;
-        }
-    }
+    settle(consumer.as_mut(), &mut held, None, out.take_flags())?;
     if !held.is_empty() {
         tracing::info!(stage = %runner.instance, held = held.len(), "inputs still held at shutdown stay unacknowledged and will be redelivered");
     }
@@ -315,6 +294,26 @@ pub async fn run_stage(
         write_atomically(&path, &state)?;
     }
     tracing::info!(stage = %runner.instance, "stopped cleanly");
+    Ok(())
+}
+
+/// Acknowledges `input` unless the stage holds it, and on release everything held so far.
+/// Called only after the call's outputs are delivered.
+fn settle(
+    consumer: Option<&mut Box<dyn Consumer>>,
+    held: &mut Vec<crate::bus::MessageId>,
+    input: Option<crate::bus::MessageId>,
+    (hold, release): (bool, bool),
+) -> Result<()> {
+    let Some(c) = consumer else { return Ok(()) };
+    if let Some(id) = input {
+        if hold { held.push(id) } else { c.ack(&id)? }
+    }
+    if release {
+        for h in held.drain(..) {
+            c.ack(&h)?;
+        }
+    }
     Ok(())
 }
 

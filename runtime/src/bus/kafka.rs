@@ -164,29 +164,11 @@ impl KafkaBus {
     }
 
     async fn partition_count(&self, topic: &str) -> Result<u32> {
-        if let Some(n) = self.partitions.lock().unwrap_or_else(|p| p.into_inner()).get(topic) {
-            return Ok(*n);
-        }
-        let c = self.base_consumer(None)?;
-        let t = topic.to_string();
-        let n = tokio::task::spawn_blocking(move || -> Result<u32> {
-            let md = c.fetch_metadata(Some(&t), TIMEOUT).map_err(kerr("fetching metadata"))?;
-            let mt = md.topics().iter().find(|x| x.name() == t);
-            match mt {
-                Some(mt) if mt.error().is_none() && !mt.partitions().is_empty() => Ok(mt.partitions().len() as u32),
-                _ => Err(Error::UnknownTopic(t.clone())),
-            }
+        let client = self.base_consumer(None)?;
+        cached_partition_count(&self.partitions, topic, move |t| {
+            client.fetch_metadata(Some(t), TIMEOUT)
         })
         .await
-        .map_err(|e| Error::Kafka {
-            op: "fetching metadata",
-            reason: e.to_string(),
-        })??;
-        self.partitions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(topic.to_string(), n);
-        Ok(n)
     }
 
     fn in_flight_counter(&self, topic: &str) -> Arc<AtomicU64> {
@@ -419,33 +401,41 @@ struct KafkaProducer {
 
 impl KafkaProducer {
     async fn partitions(&self, topic: &str) -> Result<u32> {
-        if let Some(n) = self.bus.partitions.lock().unwrap_or_else(|p| p.into_inner()).get(topic) {
-            return Ok(*n);
-        }
         let p = self.producer.clone();
-        let t = topic.to_string();
-        let n = tokio::task::spawn_blocking(move || -> Result<u32> {
-            let md = p
-                .client()
-                .fetch_metadata(Some(&t), TIMEOUT)
-                .map_err(kerr("fetching metadata"))?;
-            match md.topics().iter().find(|x| x.name() == t) {
-                Some(mt) if mt.error().is_none() && !mt.partitions().is_empty() => Ok(mt.partitions().len() as u32),
-                _ => Err(Error::UnknownTopic(t.clone())),
-            }
+        cached_partition_count(&self.bus.partitions, topic, move |t| {
+            p.client().fetch_metadata(Some(t), TIMEOUT)
         })
         .await
-        .map_err(|e| Error::Kafka {
-            op: "fetching metadata",
-            reason: e.to_string(),
-        })??;
-        self.bus
-            .partitions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(topic.to_string(), n);
-        Ok(n)
     }
+}
+
+/// A topic's partition count, from the cache or else from broker metadata (fetched on a
+/// blocking thread: rdkafka's metadata call blocks).
+async fn cached_partition_count<F>(cache: &Mutex<HashMap<String, u32>>, topic: &str, fetch: F) -> Result<u32>
+where
+    F: FnOnce(&str) -> rdkafka::error::KafkaResult<rdkafka::metadata::Metadata> + Send + 'static,
+{
+    if let Some(n) = cache.lock().unwrap_or_else(|p| p.into_inner()).get(topic) {
+        return Ok(*n);
+    }
+    let t = topic.to_string();
+    let n = tokio::task::spawn_blocking(move || -> Result<u32> {
+        let md = fetch(&t).map_err(kerr("fetching metadata"))?;
+        match md.topics().iter().find(|x| x.name() == t) {
+            Some(mt) if mt.error().is_none() && !mt.partitions().is_empty() => Ok(mt.partitions().len() as u32),
+            _ => Err(Error::UnknownTopic(t.clone())),
+        }
+    })
+    .await
+    .map_err(|e| Error::Kafka {
+        op: "fetching metadata",
+        reason: e.to_string(),
+    })??;
+    cache
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(topic.to_string(), n);
+    Ok(n)
 }
 
 #[async_trait]
