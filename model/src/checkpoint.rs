@@ -1,0 +1,216 @@
+//! Checkpoints in the Hugging Face layout: `config.json`, `model.safetensors` (or sharded
+//! with `model.safetensors.index.json`) and `tokenizer.json`. Written atomically (a
+//! temporary directory renamed into place); loaded into trainable f32 variables.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use sha2::{Digest, Sha256};
+
+use crate::config::{Config, HfConfig};
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result, Transformer};
+
+/// A loaded checkpoint: configuration, trainable variables, model and tokenizer.
+pub struct Loaded {
+    /// config.json as read.
+    pub hf: HfConfig,
+    /// Resolved configuration.
+    pub config: Config,
+    /// The trainable variables (HF names).
+    pub vars: VarMap,
+    /// The model over `vars`.
+    pub model: Transformer,
+    /// tokenizer.json, when present.
+    pub tokenizer: Option<Tokenizer>,
+}
+
+/// A fresh, randomly initialised model for `hf`.
+pub fn init(hf: &HfConfig, device: &Device) -> Result<Loaded> {
+    let config = hf.resolve()?;
+    let vars = VarMap::new();
+    let model = Transformer::load(VarBuilder::from_varmap(&vars, DType::F32, device), &config)?;
+    Ok(Loaded {
+        hf: hf.clone(),
+        config,
+        vars,
+        model,
+        tokenizer: None,
+    })
+}
+
+/// Saves `vars` (and the config and tokenizer) to `dir`, replacing it atomically. Returns
+/// the SHA-256 of the weights file. `shard_bytes` splits weights into several files with
+/// an index, like large HF checkpoints.
+pub fn save(
+    dir: &Path,
+    hf: &HfConfig,
+    vars: &VarMap,
+    tokenizer: Option<&Tokenizer>,
+    shard_bytes: Option<usize>,
+) -> Result<String> {
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(Error::io("creating", parent))?;
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "checkpoint".into());
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(Error::io("clearing", &tmp))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(Error::io("creating", &tmp))?;
+    let tensors: BTreeMap<String, Tensor> = vars
+        .data()
+        .lock()
+        .map_err(|_| Error::Shape("var map lock poisoned".into()))?
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    let mut hasher = Sha256::new();
+    match shard_bytes {
+        None => {
+            let p = tmp.join("model.safetensors");
+            candle_core::safetensors::save(&tensors.into_iter().collect::<HashMap<_, _>>(), &p)?;
+            hasher.update(std::fs::read(&p).map_err(Error::io("reading", &p))?);
+        }
+        Some(limit) => {
+            let mut shards: Vec<HashMap<String, Tensor>> = vec![HashMap::new()];
+            let mut size = 0;
+            for (k, t) in tensors {
+                let bytes = t.elem_count() * 4;
+                if size > 0 && size + bytes > limit {
+                    shards.push(HashMap::new());
+                    size = 0;
+                }
+                size += bytes;
+                shards.last_mut().expect("one shard").insert(k, t);
+            }
+            let n = shards.len();
+            let mut weight_map = serde_json::Map::new();
+            for (i, shard) in shards.iter().enumerate() {
+                let file = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+                for k in shard.keys() {
+                    weight_map.insert(k.clone(), serde_json::json!(file));
+                }
+                let p = tmp.join(&file);
+                candle_core::safetensors::save(shard, &p)?;
+                hasher.update(std::fs::read(&p).map_err(Error::io("reading", &p))?);
+            }
+            let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+            let p = tmp.join("model.safetensors.index.json");
+            std::fs::write(&p, serde_json::to_string_pretty(&index).unwrap_or_default())
+                .map_err(Error::io("writing", &p))?;
+        }
+    }
+    let mut hf = hf.clone();
+    hf.extra
+        .insert("architectures".into(), serde_json::json!([architecture(&hf)]));
+    hf.extra.insert("torch_dtype".into(), serde_json::json!("float32"));
+    let p = tmp.join("config.json");
+    std::fs::write(&p, serde_json::to_string_pretty(&hf).unwrap_or_default()).map_err(Error::io("writing", &p))?;
+    if let Some(t) = tokenizer {
+        t.save(&tmp.join("tokenizer.json"))?;
+    }
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).map_err(Error::io("replacing", dir))?;
+    }
+    std::fs::rename(&tmp, dir).map_err(Error::io("renaming into", dir))?;
+    Ok(hex::encode(hasher.finalize()))
+}
+
+fn architecture(hf: &HfConfig) -> &'static str {
+    match hf.model_type.as_deref() {
+        Some("qwen2") => "Qwen2ForCausalLM",
+        Some("qwen3") => "Qwen3ForCausalLM",
+        Some("qwen3_moe") => "Qwen3MoeForCausalLM",
+        Some("mixtral") => "MixtralForCausalLM",
+        _ => "LlamaForCausalLM",
+    }
+}
+
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&index).map_err(|_| Error::Checkpoint {
+        path: dir.display().to_string(),
+        reason: "neither model.safetensors nor model.safetensors.index.json".into(),
+    })?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Json {
+        path: index.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    let mut files: Vec<String> = v["weight_map"]
+        .as_object()
+        .ok_or_else(|| Error::Checkpoint {
+            path: index.display().to_string(),
+            reason: "no weight_map".into(),
+        })?
+        .values()
+        .filter_map(|f| f.as_str().map(str::to_string))
+        .collect();
+    files.sort();
+    files.dedup();
+    Ok(files.into_iter().map(|f| dir.join(f)).collect())
+}
+
+/// Loads a checkpoint directory onto `device` as trainable f32 variables. Every weight the
+/// model needs must be present with the right shape; all problems are reported at once.
+pub fn load(dir: &Path, device: &Device) -> Result<Loaded> {
+    let hf = HfConfig::load(&dir.join("config.json"))?;
+    let mut loaded = init(&hf, device)?;
+    let mut weights: HashMap<String, Tensor> = HashMap::new();
+    for f in weight_files(dir)? {
+        weights.extend(candle_core::safetensors::load(&f, device)?);
+    }
+    let mut problems = Vec::new();
+    {
+        let data = loaded
+            .vars
+            .data()
+            .lock()
+            .map_err(|_| Error::Shape("var map lock poisoned".into()))?;
+        let mut names: Vec<&String> = data.keys().collect();
+        names.sort();
+        for name in names {
+            let var = &data[name];
+            match weights.get(name.as_str()) {
+                None => problems.push(format!("missing `{name}` {:?}", var.dims())),
+                Some(t) if t.dims() != var.dims() => {
+                    problems.push(format!("`{name}` is {:?}, the model needs {:?}", t.dims(), var.dims()))
+                }
+                Some(t) => var.set(&t.to_dtype(DType::F32)?)?,
+            }
+        }
+    }
+    if !problems.is_empty() {
+        return Err(Error::Checkpoint {
+            path: dir.display().to_string(),
+            reason: problems.join("; "),
+        });
+    }
+    let tok = dir.join("tokenizer.json");
+    loaded.tokenizer = if tok.exists() {
+        Some(Tokenizer::from_file(&tok)?)
+    } else {
+        None
+    };
+    Ok(loaded)
+}
+
+/// SHA-256 of a checkpoint's weight files (in name order), hex.
+pub fn weights_sha256(dir: &Path) -> Result<String> {
+    let mut h = Sha256::new();
+    for f in weight_files(dir)? {
+        h.update(std::fs::read(&f).map_err(Error::io("reading", &f))?);
+    }
+    Ok(hex::encode(h.finalize()))
+}

@@ -1,0 +1,32 @@
+//! The streamrl policy: a trainable decoder-only transformer (Llama, Qwen2, Qwen3 and
+//! mixture-of-experts variants) written from differentiable candle ops, its checkpoints,
+//! tokenizers, RL and SFT losses, and optimizers.
+//!
+//! ```
+//! use candle_core::{DType, Device};
+//! use candle_nn::{VarBuilder, VarMap};
+//! use streamrl_model::{Packed, Transformer, config, token_logprobs};
+//!
+//! let cfg = config::preset("tiny", 40).unwrap().resolve().unwrap();
+//! let vars = VarMap::new();
+//! let model = Transformer::load(VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu), &cfg).unwrap();
+//! // Two samples packed in one row: positions restart, attention stays within each.
+//! let batch = Packed::new(&[vec![vec![1, 2, 3], vec![4, 5]]], &Device::Cpu).unwrap();
+//! let (logits, _aux) = model.forward(&batch).unwrap();
+//! assert_eq!(logits.dims(), &[1, 5, 40]);
+//! let lp = token_logprobs(&logits, &batch.tokens, 1.0).unwrap();
+//! assert_eq!(lp.dims(), &[1, 5]);
+//! ```
+
+pub mod checkpoint;
+pub mod config;
+mod error;
+pub mod generate;
+pub mod loss;
+pub mod model;
+pub mod optim;
+pub mod tokenizer;
+
+pub use error::{Error, Result};
+pub use model::{Aux, KvCache, MoeStats, Packed, Transformer, masked_entropy, token_logprobs};
+pub use tokenizer::Tokenizer;

@@ -1,0 +1,426 @@
+//! RL and SFT losses as pure functions of (trainer logprobs, sampler logprobs, advantages,
+//! loss mask), each returning the loss and its metrics. See ALGORITHM.md.
+//!
+//! All inputs are flat over tokens; `spans` give each sample's `(start, len)` for the
+//! sequence-level variants. Token losses are normalised by the number of trainable tokens
+//! (`Σ mask`), with masked-out tokens still counted, as in the reference.
+
+use candle_core::Tensor;
+
+use crate::{Error, Result};
+
+/// Which objective to optimise.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LossKind {
+    /// Double-sided masked importance sampling (IcePop-style; the default): tokens with
+    /// ratio outside `[low, high]` are dropped, not clipped.
+    MaskedIs {
+        /// Lower ratio bound (INTELLECT-3: 0.5).
+        low: f32,
+        /// Upper ratio bound (INTELLECT-3: 5.0).
+        high: f32,
+        /// Drop a whole sample whose smallest ratio is below this.
+        seq_low: Option<f32>,
+        /// Weight of the `(log r)²` penalty (0: off).
+        kl_tau: f32,
+    },
+    /// PPO/GRPO clipped surrogate; DAPO's asymmetric clip with `eps_low != eps_high`.
+    Clipped {
+        /// Clip below at 1 − eps_low.
+        eps_low: f32,
+        /// Clip above at 1 + eps_high.
+        eps_high: f32,
+    },
+    /// GSPO: the clipped surrogate on the sequence-level ratio (geometric mean of token ratios).
+    Gspo {
+        /// Clip below at 1 − eps_low.
+        eps_low: f32,
+        /// Clip above at 1 + eps_high.
+        eps_high: f32,
+    },
+    /// Truncated importance sampling: policy gradient weighted by a detached `min(r, cap)`.
+    Tis {
+        /// Truncation cap.
+        cap: f32,
+    },
+    /// Supervised cross-entropy on trainable tokens.
+    Sft,
+}
+
+impl Default for LossKind {
+    fn default() -> Self {
+        LossKind::MaskedIs {
+            low: 0.5,
+            high: 5.0,
+            seq_low: None,
+            kl_tau: 0.0,
+        }
+    }
+}
+
+/// The loss's inputs, flat over tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct LossInputs<'a> {
+    /// Trainer logprobs, 1-D (N), differentiable.
+    pub logprobs: &'a Tensor,
+    /// Sampler logprobs (N).
+    pub sampler: &'a [f32],
+    /// Per-token advantages (N).
+    pub advantages: &'a [f32],
+    /// Loss mask (N): 1 trainable, 0 not.
+    pub mask: &'a [f32],
+    /// `(start, len)` of every sample.
+    pub spans: &'a [(usize, usize)],
+}
+
+/// Metrics every loss reports.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct LossMetrics {
+    /// Loss value.
+    pub loss: f32,
+    /// Trainable tokens (Σ mask).
+    pub tokens: f32,
+    /// Fraction of trainable tokens masked for a ratio below `low` (or by the sequence mask).
+    pub masked_low: f32,
+    /// Fraction of trainable tokens masked for a ratio above `high`.
+    pub masked_high: f32,
+    /// Mismatch KL between trainer and sampler, `mean(r − log r − 1)` over trainable tokens.
+    pub mismatch_kl: f32,
+    /// Fraction of trainable tokens (or sequences, for GSPO) whose objective was clipped.
+    pub clip_fraction: f32,
+}
+
+/// Computes `kind`'s loss.
+pub fn compute(kind: LossKind, x: LossInputs<'_>) -> Result<(Tensor, LossMetrics)> {
+    let n = x.logprobs.dims1()?;
+    for (name, len) in [
+        ("sampler", x.sampler.len()),
+        ("advantages", x.advantages.len()),
+        ("mask", x.mask.len()),
+    ] {
+        if len != n {
+            return Err(Error::Shape(format!(
+                "loss input `{name}` has {len} values for {n} logprobs"
+            )));
+        }
+    }
+    let dev = x.logprobs.device();
+    let lp = x.logprobs.to_vec1::<f32>()?;
+    let log_r: Vec<f32> = lp.iter().zip(x.sampler).map(|(a, b)| a - b).collect();
+    let r: Vec<f32> = log_r.iter().map(|l| l.exp()).collect();
+    let tokens: f32 = x.mask.iter().sum();
+    let denom = tokens.max(1.0);
+    let mismatch_kl = r
+        .iter()
+        .zip(&log_r)
+        .zip(x.mask)
+        .map(|((r, l), m)| m * (r - l - 1.0))
+        .sum::<f32>()
+        / denom;
+    let sampler = Tensor::new(x.sampler, dev)?;
+    let ratio = (x.logprobs - &sampler)?.exp()?;
+    let weights = |w: Vec<f32>| Tensor::new(w.as_slice(), dev);
+    let mut m = LossMetrics {
+        tokens,
+        mismatch_kl,
+        ..Default::default()
+    };
+    let loss = match kind {
+        LossKind::MaskedIs {
+            low,
+            high,
+            seq_low,
+            kl_tau,
+        } => {
+            let mut keep: Vec<f32> = x.mask.to_vec();
+            let (mut lo, mut hi) = (0f32, 0f32);
+            for i in 0..n {
+                if x.mask[i] == 0.0 {
+                    continue;
+                }
+                if r[i] < low {
+                    keep[i] = 0.0;
+                    lo += 1.0;
+                } else if r[i] > high {
+                    keep[i] = 0.0;
+                    hi += 1.0;
+                }
+            }
+            if let Some(seq_low) = seq_low {
+                for &(s, len) in x.spans {
+                    let min = (s..s + len)
+                        .filter(|&i| x.mask[i] > 0.0)
+                        .map(|i| r[i])
+                        .fold(f32::INFINITY, f32::min);
+                    if min < seq_low {
+                        for k in keep[s..s + len].iter_mut().filter(|k| **k > 0.0) {
+                            *k = 0.0;
+                            lo += 1.0;
+                        }
+                    }
+                }
+            }
+            m.masked_low = lo / denom;
+            m.masked_high = hi / denom;
+            let w: Vec<f32> = (0..n).map(|i| -keep[i] * x.advantages[i] / denom).collect();
+            let mut loss = (&ratio * weights(w)?)?.sum_all()?;
+            if kl_tau > 0.0 {
+                let lr = (x.logprobs - &sampler)?;
+                let mw: Vec<f32> = x.mask.iter().map(|mm| kl_tau * mm / denom).collect();
+                loss = (loss + (lr.sqr()? * weights(mw)?)?.sum_all()?)?;
+            }
+            loss
+        }
+        LossKind::Clipped { eps_low, eps_high } => {
+            let (mut w, mut constant, mut clipped) = (vec![0f32; n], 0f32, 0f32);
+            for i in 0..n {
+                if x.mask[i] == 0.0 {
+                    continue;
+                }
+                let a = x.advantages[i];
+                let c = r[i].clamp(1.0 - eps_low, 1.0 + eps_high);
+                if c * a < r[i] * a {
+                    // The clipped branch is the minimum: it is constant in θ.
+                    constant -= c * a / denom;
+                    clipped += 1.0;
+                } else {
+                    w[i] = -a / denom;
+                }
+            }
+            m.clip_fraction = clipped / denom;
+            ((&ratio * weights(w)?)?.sum_all()? + constant as f64)?
+        }
+        LossKind::Gspo { eps_low, eps_high } => {
+            // s_i = exp(Σ_t m·log r / Σ_t m) via a (sequences × tokens) averaging matrix.
+            let seqs: Vec<&(usize, usize)> = x
+                .spans
+                .iter()
+                .filter(|&&(s, l)| (s..s + l).any(|i| x.mask[i] > 0.0))
+                .collect();
+            if seqs.is_empty() {
+                (x.logprobs.sum_all()? * 0.0)?
+            } else {
+                let k = seqs.len();
+                let mut avg = vec![0f32; k * n];
+                let mut adv = vec![0f32; k];
+                for (j, &&(s, l)) in seqs.iter().enumerate() {
+                    let cnt: f32 = x.mask[s..s + l].iter().sum();
+                    for i in s..s + l {
+                        avg[j * n + i] = x.mask[i] / cnt;
+                    }
+                    adv[j] = (s..s + l)
+                        .find(|&i| x.mask[i] > 0.0)
+                        .map(|i| x.advantages[i])
+                        .unwrap_or(0.0);
+                }
+                let lr = (x.logprobs - &sampler)?.unsqueeze(1)?;
+                let seq_log = Tensor::from_vec(avg, (k, n), dev)?.matmul(&lr)?.squeeze(1)?;
+                let s = seq_log.exp()?;
+                let sv = s.to_vec1::<f32>()?;
+                let (mut w, mut constant, mut clipped) = (vec![0f32; k], 0f32, 0f32);
+                for j in 0..k {
+                    let c = sv[j].clamp(1.0 - eps_low, 1.0 + eps_high);
+                    if c * adv[j] < sv[j] * adv[j] {
+                        constant -= c * adv[j] / k as f32;
+                        clipped += 1.0;
+                    } else {
+                        w[j] = -adv[j] / k as f32;
+                    }
+                }
+                m.clip_fraction = clipped / k as f32;
+                ((s * weights(w)?)?.sum_all()? + constant as f64)?
+            }
+        }
+        LossKind::Tis { cap } => {
+            let w: Vec<f32> = (0..n)
+                .map(|i| -x.mask[i] * r[i].min(cap) * x.advantages[i] / denom)
+                .collect();
+            (x.logprobs * weights(w)?)?.sum_all()?
+        }
+        LossKind::Sft => {
+            let w: Vec<f32> = x.mask.iter().map(|mm| -mm / denom).collect();
+            (x.logprobs * weights(w)?)?.sum_all()?
+        }
+    };
+    m.loss = loss.to_scalar::<f32>()?;
+    Ok((loss, m))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn run(
+        kind: LossKind,
+        lp: &[f32],
+        mu: &[f32],
+        adv: &[f32],
+        mask: &[f32],
+        spans: &[(usize, usize)],
+    ) -> (LossMetrics, Vec<f32>) {
+        let v = Var::new(lp, &Device::Cpu).unwrap();
+        let (loss, m) = compute(
+            kind,
+            LossInputs {
+                logprobs: v.as_tensor(),
+                sampler: mu,
+                advantages: adv,
+                mask,
+                spans,
+            },
+        )
+        .unwrap();
+        let g = loss.backward().unwrap();
+        (m, g.get(&v).unwrap().to_vec1::<f32>().unwrap())
+    }
+
+    fn close(a: f32, b: f32) -> bool {
+        (a - b).abs() < 1e-5 * (1.0 + b.abs())
+    }
+
+    #[test]
+    fn masked_is_by_hand() {
+        // ratios: e^0 = 1, e^ln0.4 = 0.4 (below 0.5: masked low), e^ln6 = 6 (masked high),
+        // e^ln2 = 2; the 5th token is not trainable but counts in nothing.
+        let mu = [0.0, 0.0, 0.0, 0.0, 0.0];
+        let lp = [0.0, 0.4f32.ln(), 6f32.ln(), 2f32.ln(), 1.0];
+        let adv = [1.0, 1.0, 1.0, -0.5, 3.0];
+        let mask = [1.0, 1.0, 1.0, 1.0, 0.0];
+        let (m, g) = run(LossKind::default(), &lp, &mu, &adv, &mask, &[(0, 5)]);
+        // L = −(1·1 + 2·(−0.5)) / 4 = 0
+        assert!(close(m.loss, 0.0), "{m:?}");
+        assert!(close(m.masked_low, 0.25) && close(m.masked_high, 0.25));
+        // ∂L/∂lp_i = −keep·r·A/4
+        let want = [-0.25, 0.0, 0.0, 0.25, 0.0];
+        assert!(g.iter().zip(want).all(|(a, b)| close(*a, b)), "{g:?}");
+        // mismatch KL = mean(r − ln r − 1) over the 4 trainable tokens
+        let kl =
+            ((1.0 - 0.0 - 1.0) + (0.4 - 0.4f32.ln() - 1.0) + (6.0 - 6f32.ln() - 1.0) + (2.0 - 2f32.ln() - 1.0)) / 4.0;
+        assert!(close(m.mismatch_kl, kl), "{} vs {kl}", m.mismatch_kl);
+    }
+
+    #[test]
+    fn masked_is_sequence_mask_and_kl_penalty() {
+        let lp = [0.0, 0.3f32.ln(), 0.0, 0.0];
+        let mu = [0.0; 4];
+        let adv = [1.0; 4];
+        let mask = [1.0; 4];
+        // Sample 0 (tokens 0-1) has min ratio 0.3 < 0.4 → dropped whole.
+        let kind = LossKind::MaskedIs {
+            low: 0.2,
+            high: 5.0,
+            seq_low: Some(0.4),
+            kl_tau: 0.5,
+        };
+        let (m, g) = run(kind, &lp, &mu, &adv, &mask, &[(0, 2), (2, 2)]);
+        // L = −(1 + 1)/4 + 0.5·(ln 0.3)²/4
+        let want = -0.5 + 0.5 * 0.3f32.ln().powi(2) / 4.0;
+        assert!(close(m.loss, want), "{} vs {want}", m.loss);
+        assert!(close(m.masked_low, 0.5));
+        // token 1: only the penalty: 2·0.5·ln0.3/4
+        assert!(close(g[1], 0.3f32.ln() / 4.0), "{g:?}");
+        assert!(close(g[2], -0.25) && close(g[0], 0.0), "{g:?}");
+    }
+
+    #[test]
+    fn clipped_surrogate_by_hand() {
+        // r = 1.5 with A = 1: clipped at 1.2 (constant); r = 0.5 with A = −1: clipped at 0.8;
+        // r = 1.1 with A = 1: unclipped.
+        let lp = [1.5f32.ln(), 0.5f32.ln(), 1.1f32.ln()];
+        let (m, g) = run(
+            LossKind::Clipped {
+                eps_low: 0.2,
+                eps_high: 0.2,
+            },
+            &lp,
+            &[0.0; 3],
+            &[1.0, -1.0, 1.0],
+            &[1.0; 3],
+            &[(0, 3)],
+        );
+        let want = -(1.2 - 0.8 + 1.1) / 3.0;
+        assert!(close(m.loss, want), "{} vs {want}", m.loss);
+        assert!(close(m.clip_fraction, 2.0 / 3.0));
+        assert!(close(g[0], 0.0) && close(g[1], 0.0) && close(g[2], -1.1 / 3.0), "{g:?}");
+        // DAPO's clip-higher: eps_high 0.6 lets r = 1.5 through.
+        let (m, _) = run(
+            LossKind::Clipped {
+                eps_low: 0.2,
+                eps_high: 0.6,
+            },
+            &lp,
+            &[0.0; 3],
+            &[1.0, -1.0, 1.0],
+            &[1.0; 3],
+            &[(0, 3)],
+        );
+        assert!(close(m.clip_fraction, 1.0 / 3.0));
+    }
+
+    #[test]
+    fn gspo_uses_the_geometric_mean_ratio() {
+        // Sample 0: token ratios 2 and 0.5 → s = 1; sample 1: ratio 1.5 (one token) → clipped to 1.2.
+        let lp = [2f32.ln(), 0.5f32.ln(), 1.5f32.ln()];
+        let (m, g) = run(
+            LossKind::Gspo {
+                eps_low: 0.2,
+                eps_high: 0.2,
+            },
+            &lp,
+            &[0.0; 3],
+            &[1.0, 1.0, 2.0],
+            &[1.0; 3],
+            &[(0, 2), (2, 1)],
+        );
+        let want = -(1.0 * 1.0 + 1.2 * 2.0) / 2.0;
+        assert!(close(m.loss, want), "{} vs {want}", m.loss);
+        assert!(close(m.clip_fraction, 0.5));
+        // ∂/∂lp_t of −s·A/2 with s = exp(mean log r): −s·A/(2·len)
+        assert!(close(g[0], -0.25) && close(g[1], -0.25) && close(g[2], 0.0), "{g:?}");
+    }
+
+    #[test]
+    fn tis_and_sft_by_hand() {
+        let lp = [3f32.ln(), 0.5f32.ln()];
+        let (m, g) = run(
+            LossKind::Tis { cap: 2.0 },
+            &lp,
+            &[0.0; 2],
+            &[1.0, 1.0],
+            &[1.0, 1.0],
+            &[(0, 2)],
+        );
+        // L = −(2·ln3 + 0.5·ln0.5)/2 ; ∂ = −min(r,2)·A/2
+        assert!(close(m.loss, -(2.0 * 3f32.ln() + 0.5 * 0.5f32.ln()) / 2.0));
+        assert!(close(g[0], -1.0) && close(g[1], -0.25), "{g:?}");
+        let (m, g) = run(
+            LossKind::Sft,
+            &[-1.0, -2.0, -4.0],
+            &[0.0; 3],
+            &[0.0; 3],
+            &[1.0, 0.0, 1.0],
+            &[(0, 3)],
+        );
+        assert!(close(m.loss, 2.5) && close(m.tokens, 2.0));
+        assert!(close(g[0], -0.5) && close(g[1], 0.0) && close(g[2], -0.5), "{g:?}");
+    }
+
+    #[test]
+    fn mismatched_lengths_are_named() {
+        let v = Var::new(&[0f32, 0.0][..], &Device::Cpu).unwrap();
+        let e = compute(
+            LossKind::Sft,
+            LossInputs {
+                logprobs: v.as_tensor(),
+                sampler: &[0.0],
+                advantages: &[0.0, 0.0],
+                mask: &[1.0, 1.0],
+                spans: &[],
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("sampler") && e.contains("1 values for 2"), "{e}");
+    }
+}

@@ -1,0 +1,650 @@
+//! The policy: a decoder-only transformer written only from differentiable candle ops
+//! (candle-nn's fused softmax/rms_norm/rope have no backward), reading top to bottom.
+//! Weight names mirror Hugging Face checkpoints through `vb.pp(...)`.
+
+use candle_core::{D, DType, Device, IndexOp, Module, Tensor};
+use candle_nn::{Init, VarBuilder};
+
+use crate::config::{Config, Family, MoeConfig, RopeLayout, RouterScore};
+use crate::{Error, Result};
+
+/// `x @ w^T (+ b)` for x of any rank ≥ 2.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    w: Tensor,
+    b: Option<Tensor>,
+}
+
+impl Linear {
+    fn load(vb: &VarBuilder, out: usize, inp: usize, bias: bool) -> Result<Self> {
+        let std = (1.0 / inp as f64).sqrt();
+        let w = vb.get_with_hints((out, inp), "weight", Init::Randn { mean: 0.0, stdev: std })?;
+        let b = if bias {
+            Some(vb.get_with_hints(out, "bias", Init::Const(0.0))?)
+        } else {
+            None
+        };
+        Ok(Linear { w, b })
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = x.broadcast_matmul(&self.w.t()?)?;
+        match &self.b {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+/// RMSNorm from basic ops.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    w: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    fn load(vb: &VarBuilder, dim: usize, eps: f64) -> Result<Self> {
+        Ok(RmsNorm {
+            w: vb.get_with_hints(dim, "weight", Init::Const(1.0))?,
+            eps,
+        })
+    }
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+        x.broadcast_div(&(ms + self.eps)?.sqrt()?)?.broadcast_mul(&self.w)
+    }
+}
+
+/// Rotary position embedding tables.
+#[derive(Debug, Clone)]
+struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+    layout: RopeLayout,
+}
+
+impl Rope {
+    fn new(cfg: &Config, device: &Device) -> Result<Self> {
+        let half = cfg.head_dim / 2;
+        let inv: Vec<f32> = (0..half)
+            .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / cfg.head_dim as f64) as f32)
+            .collect();
+        let n = cfg.max_positions;
+        let mut angles = Vec::with_capacity(n * half);
+        for p in 0..n {
+            angles.extend(inv.iter().map(|f| p as f32 * f));
+        }
+        let a = Tensor::from_vec(angles, (n, half), device)?;
+        Ok(Rope {
+            cos: a.cos()?,
+            sin: a.sin()?,
+            layout: cfg.rope_layout,
+        })
+    }
+
+    /// x: (B, H, T, hd); positions: (B, T) u32.
+    fn apply(&self, x: &Tensor, positions: &Tensor) -> Result<Tensor> {
+        let (b, _h, t, hd) = x.dims4()?;
+        let half = hd / 2;
+        let idx = positions.flatten_all()?;
+        let cos = self.cos.index_select(&idx, 0)?.reshape((b, 1, t, half))?;
+        let sin = self.sin.index_select(&idx, 0)?.reshape((b, 1, t, half))?;
+        Ok(match self.layout {
+            RopeLayout::HalfSplit => {
+                let x1 = x.narrow(D::Minus1, 0, half)?;
+                let x2 = x.narrow(D::Minus1, half, half)?;
+                Tensor::cat(
+                    &[
+                        (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?,
+                        (x1.broadcast_mul(&sin)? + x2.broadcast_mul(&cos)?)?,
+                    ],
+                    D::Minus1,
+                )?
+            }
+            RopeLayout::Interleaved => {
+                let (b, h, t, _) = x.dims4()?;
+                let xp = x.reshape((b, h, t, half, 2))?;
+                let e = xp.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?;
+                let o = xp.narrow(D::Minus1, 1, 1)?.squeeze(D::Minus1)?;
+                let re = (e.broadcast_mul(&cos)? - o.broadcast_mul(&sin)?)?;
+                let ro = (e.broadcast_mul(&sin)? + o.broadcast_mul(&cos)?)?;
+                Tensor::stack(&[re, ro], D::Minus1)?.reshape((b, h, t, hd))?
+            }
+        })
+    }
+}
+
+/// Grouped-query self-attention.
+#[derive(Debug, Clone)]
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    n_heads: usize,
+    n_kv: usize,
+    hd: usize,
+}
+
+impl Attention {
+    fn load(vb: &VarBuilder, cfg: &Config) -> Result<Self> {
+        let (h, kv, hd, d) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model);
+        Ok(Attention {
+            q: Linear::load(&vb.pp("q_proj"), h * hd, d, cfg.qkv_bias)?,
+            k: Linear::load(&vb.pp("k_proj"), kv * hd, d, cfg.qkv_bias)?,
+            v: Linear::load(&vb.pp("v_proj"), kv * hd, d, cfg.qkv_bias)?,
+            o: Linear::load(&vb.pp("o_proj"), d, h * hd, false)?,
+            q_norm: if cfg.qk_norm {
+                Some(RmsNorm::load(&vb.pp("q_norm"), hd, cfg.eps)?)
+            } else {
+                None
+            },
+            k_norm: if cfg.qk_norm {
+                Some(RmsNorm::load(&vb.pp("k_norm"), hd, cfg.eps)?)
+            } else {
+                None
+            },
+            n_heads: h,
+            n_kv: kv,
+            hd,
+        })
+    }
+
+    /// x: (B, T, d); mask: additive (B|1, 1, T, S); cache: keys/values of earlier steps.
+    fn forward(
+        &self,
+        x: &Tensor,
+        positions: &Tensor,
+        mask: &Tensor,
+        rope: &Rope,
+        cache: Option<&mut candle_nn::kv_cache::KvCache>,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let heads = |y: Tensor, n: usize| y.reshape((b, t, n, self.hd))?.transpose(1, 2);
+        let mut q = heads(self.q.forward(x)?, self.n_heads)?;
+        let mut k = heads(self.k.forward(x)?, self.n_kv)?;
+        let v = heads(self.v.forward(x)?, self.n_kv)?.contiguous()?;
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let q = rope.apply(&q.contiguous()?, positions)?;
+        let k = rope.apply(&k.contiguous()?, positions)?;
+        let (k, v) = match cache {
+            Some(c) => c.append(&k.contiguous()?, &v)?,
+            None => (k, v),
+        };
+        let rep = self.n_heads / self.n_kv;
+        let expand = |y: Tensor| -> Result<Tensor> {
+            if rep == 1 {
+                return Ok(y);
+            }
+            let (b, kv, s, hd) = y.dims4()?;
+            Ok(y.unsqueeze(2)?
+                .expand((b, kv, rep, s, hd))?
+                .reshape((b, kv * rep, s, hd))?)
+        };
+        let (k, v) = (expand(k)?, expand(v)?);
+        let scale = 1.0 / (self.hd as f64).sqrt();
+        let att = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
+        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let y = att
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((b, t, self.n_heads * self.hd))?;
+        Ok(self.o.forward(&y)?)
+    }
+}
+
+/// SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    fn load(vb: &VarBuilder, d: usize, ff: usize, names: [&str; 3]) -> Result<Self> {
+        Ok(Mlp {
+            gate: Linear::load(&vb.pp(names[0]), ff, d, false)?,
+            up: Linear::load(&vb.pp(names[1]), ff, d, false)?,
+            down: Linear::load(&vb.pp(names[2]), d, ff, false)?,
+        })
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.down
+            .forward(&(self.gate.forward(x)?.silu()? * self.up.forward(x)?)?)
+    }
+}
+
+/// Routing statistics of one MoE layer for one forward.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeStats {
+    /// Tokens routed to each expert.
+    pub tokens_per_expert: Vec<usize>,
+    /// `(max tokens per expert − mean) / mean`.
+    pub imbalance: f32,
+}
+
+/// Mixture-of-experts feed-forward: router, top-k experts per token, optional shared expert.
+#[derive(Debug, Clone)]
+struct Moe {
+    router: Linear,
+    experts: Vec<Mlp>,
+    shared: Option<(Mlp, Linear)>,
+    cfg: MoeConfig,
+}
+
+impl Moe {
+    fn load(vb: &VarBuilder, d: usize, cfg: &MoeConfig, family: Family) -> Result<Self> {
+        let (router_name, expert_names) = match family {
+            Family::Mixtral => ("gate", ["w1", "w3", "w2"]),
+            _ => ("gate", ["gate_proj", "up_proj", "down_proj"]),
+        };
+        let router = Linear::load(&vb.pp(router_name), cfg.n_experts, d, false)?;
+        let experts = (0..cfg.n_experts)
+            .map(|e| Mlp::load(&vb.pp("experts").pp(e), d, cfg.expert_ff, expert_names))
+            .collect::<Result<Vec<_>>>()?;
+        let shared = match cfg.shared_ff {
+            Some(ff) => Some((
+                Mlp::load(&vb.pp("shared_expert"), d, ff, ["gate_proj", "up_proj", "down_proj"])?,
+                Linear::load(&vb.pp("shared_expert_gate"), 1, d, false)?,
+            )),
+            None => None,
+        };
+        Ok(Moe {
+            router,
+            experts,
+            shared,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// x: (N, d) → (out (N, d), aux load-balance loss (scalar), stats).
+    fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor, MoeStats)> {
+        let (n, _d) = x.dims2()?;
+        let e = self.cfg.n_experts;
+        let logits = self.router.forward(x)?;
+        let scores = match self.cfg.score {
+            RouterScore::Softmax => candle_nn::ops::softmax(&logits, D::Minus1)?,
+            RouterScore::Sigmoid => candle_nn::ops::sigmoid(&logits)?,
+        };
+        // Selection is discrete (no gradient); the weights of the chosen experts carry it.
+        let host = scores.to_vec2::<f32>()?;
+        let mut onehot = vec![0f32; n * e];
+        let mut routed: Vec<Vec<u32>> = vec![Vec::new(); e];
+        for (i, row) in host.iter().enumerate() {
+            let mut order: Vec<usize> = (0..e).collect();
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            for &j in &order[..self.cfg.top_k] {
+                onehot[i * e + j] = 1.0;
+                routed[j].push(i as u32);
+            }
+        }
+        let onehot = Tensor::from_vec(onehot, (n, e), x.device())?;
+        let mut combine = (&scores * &onehot)?;
+        if self.cfg.renormalize {
+            combine = combine.broadcast_div(&(combine.sum_keepdim(D::Minus1)? + 1e-20)?)?;
+        }
+        let mut out = x.zeros_like()?;
+        for (j, idx) in routed.iter().enumerate() {
+            if idx.is_empty() {
+                continue;
+            }
+            let idx_t = Tensor::new(idx.as_slice(), x.device())?;
+            let xe = x.index_select(&idx_t, 0)?;
+            let w = combine.index_select(&idx_t, 0)?.narrow(1, j, 1)?;
+            let ye = self.experts[j].forward(&xe)?.broadcast_mul(&w)?;
+            out = out.index_add(&idx_t, &ye, 0)?;
+        }
+        if let Some((mlp, gate)) = &self.shared {
+            let g = candle_nn::ops::sigmoid(&gate.forward(x)?)?;
+            out = (out + mlp.forward(x)?.broadcast_mul(&g)?)?;
+        }
+        // Switch-style balance loss: E · Σ_e f_e · P_e (f: routed fraction, P: mean score).
+        let counts: Vec<usize> = routed.iter().map(Vec::len).collect();
+        let total = (n * self.cfg.top_k).max(1) as f32;
+        let f: Vec<f32> = counts.iter().map(|&c| c as f32 / total).collect();
+        let f = Tensor::from_vec(f, e, x.device())?;
+        let p = scores.mean(0)?;
+        let aux = ((f * p)?.sum_all()? * (e as f64 * self.cfg.aux_loss_coef))?;
+        let mean = total / e as f32;
+        let max = counts.iter().copied().max().unwrap_or(0) as f32;
+        let stats = MoeStats {
+            imbalance: if mean > 0.0 { (max - mean) / mean } else { 0.0 },
+            tokens_per_expert: counts,
+        };
+        Ok((out, aux, stats))
+    }
+}
+
+#[derive(Debug, Clone)]
+enum FeedForward {
+    Dense(Mlp),
+    Moe(Moe),
+}
+
+#[derive(Debug, Clone)]
+struct Block {
+    attn_norm: RmsNorm,
+    attn: Attention,
+    ff_norm: RmsNorm,
+    ff: FeedForward,
+}
+
+impl Block {
+    fn load(vb: &VarBuilder, cfg: &Config) -> Result<Self> {
+        let ff = match (&cfg.moe, cfg.family) {
+            (Some(m), Family::Mixtral) => {
+                FeedForward::Moe(Moe::load(&vb.pp("block_sparse_moe"), cfg.d_model, m, cfg.family)?)
+            }
+            (Some(m), _) => FeedForward::Moe(Moe::load(&vb.pp("mlp"), cfg.d_model, m, cfg.family)?),
+            (None, _) => FeedForward::Dense(Mlp::load(
+                &vb.pp("mlp"),
+                cfg.d_model,
+                cfg.d_ff,
+                ["gate_proj", "up_proj", "down_proj"],
+            )?),
+        };
+        Ok(Block {
+            attn_norm: RmsNorm::load(&vb.pp("input_layernorm"), cfg.d_model, cfg.eps)?,
+            attn: Attention::load(&vb.pp("self_attn"), cfg)?,
+            ff_norm: RmsNorm::load(&vb.pp("post_attention_layernorm"), cfg.d_model, cfg.eps)?,
+            ff,
+        })
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        positions: &Tensor,
+        mask: &Tensor,
+        rope: &Rope,
+        cache: Option<&mut candle_nn::kv_cache::KvCache>,
+        aux: &mut Vec<(Tensor, MoeStats)>,
+    ) -> Result<Tensor> {
+        let h = (x + self
+            .attn
+            .forward(&self.attn_norm.forward(x)?, positions, mask, rope, cache)?)?;
+        let n = self.ff_norm.forward(&h)?;
+        let f = match &self.ff {
+            FeedForward::Dense(m) => m.forward(&n)?,
+            FeedForward::Moe(m) => {
+                let (b, t, d) = n.dims3()?;
+                let (y, a, s) = m.forward(&n.reshape((b * t, d))?)?;
+                aux.push((a, s));
+                y.reshape((b, t, d))?
+            }
+        };
+        Ok((h + f)?)
+    }
+}
+
+/// What a training forward returns besides logits.
+#[derive(Debug)]
+pub struct Aux {
+    /// Sum of the MoE load-balance losses (zero for dense models).
+    pub balance_loss: Tensor,
+    /// Routing statistics per MoE layer.
+    pub moe: Vec<MoeStats>,
+}
+
+/// The decoder-only transformer.
+#[derive(Debug, Clone)]
+pub struct Transformer {
+    cfg: Config,
+    embed: Tensor,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    head: Option<Linear>,
+    rope: Rope,
+    device: Device,
+}
+
+impl Transformer {
+    /// Builds the model, taking (or creating, with random init) every weight from `vb`.
+    pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        let m = vb.pp("model");
+        let embed = m.pp("embed_tokens").get_with_hints(
+            (cfg.vocab, cfg.d_model),
+            "weight",
+            Init::Randn { mean: 0.0, stdev: 0.02 },
+        )?;
+        let blocks = (0..cfg.n_layers)
+            .map(|i| Block::load(&m.pp("layers").pp(i), cfg))
+            .collect::<Result<Vec<_>>>()?;
+        let head = if cfg.tie_embeddings {
+            None
+        } else {
+            Some(Linear::load(&vb.pp("lm_head"), cfg.vocab, cfg.d_model, false)?)
+        };
+        Ok(Transformer {
+            cfg: cfg.clone(),
+            embed,
+            blocks,
+            norm: RmsNorm::load(&m.pp("norm"), cfg.d_model, cfg.eps)?,
+            head,
+            rope: Rope::new(cfg, vb.device())?,
+            device: vb.device().clone(),
+        })
+    }
+
+    /// The resolved configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The device weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn run(
+        &self,
+        tokens: &Tensor,
+        positions: &Tensor,
+        mask: &Tensor,
+        mut cache: Option<&mut KvCache>,
+    ) -> Result<(Tensor, Aux)> {
+        let (b, t) = tokens.dims2()?;
+        let max_pos = positions.max_all()?.to_scalar::<u32>()? as usize;
+        if max_pos >= self.cfg.max_positions {
+            return Err(Error::Shape(format!(
+                "position {max_pos} exceeds max_position_embeddings {}",
+                self.cfg.max_positions
+            )));
+        }
+        let mut x = self
+            .embed
+            .index_select(&tokens.flatten_all()?, 0)?
+            .reshape((b, t, self.cfg.d_model))?;
+        let mut aux = Vec::new();
+        for (i, blk) in self.blocks.iter().enumerate() {
+            let c = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            x = blk.forward(&x, positions, mask, &self.rope, c, &mut aux)?;
+        }
+        let x = self.norm.forward(&x)?;
+        let logits = match &self.head {
+            Some(h) => h.forward(&x)?,
+            None => x.broadcast_matmul(&self.embed.t()?)?,
+        };
+        let balance_loss = aux
+            .iter()
+            .try_fold(Tensor::zeros((), DType::F32, &self.device)?, |acc, (a, _)| acc + a)?;
+        Ok((
+            logits,
+            Aux {
+                balance_loss,
+                moe: aux.into_iter().map(|(_, s)| s).collect(),
+            },
+        ))
+    }
+
+    /// Training forward over a packed batch: logits (B, T, V) plus MoE auxiliaries.
+    pub fn forward(&self, batch: &Packed) -> Result<(Tensor, Aux)> {
+        self.run(&batch.tokens, &batch.positions, &batch.mask, None)
+    }
+
+    /// Inference forward of `tokens` (B, t) at `positions`, appending their keys and values
+    /// to `cache`; `mask` is additive (B, 1, t, cached + t).
+    pub fn forward_cached(
+        &self,
+        tokens: &Tensor,
+        positions: &Tensor,
+        mask: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        Ok(self.run(tokens, positions, mask, Some(cache))?.0)
+    }
+
+    /// A preallocated key/value cache for `max_len` positions.
+    pub fn new_cache(&self, max_len: usize) -> KvCache {
+        KvCache {
+            layers: (0..self.cfg.n_layers)
+                .map(|_| candle_nn::kv_cache::KvCache::new(2, max_len))
+                .collect(),
+        }
+    }
+}
+
+/// Per-layer key/value caches, preallocated (grown in place, never re-concatenated).
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    layers: Vec<candle_nn::kv_cache::KvCache>,
+}
+
+impl KvCache {
+    /// Positions cached so far.
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.current_seq_len())
+    }
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Large negative additive mask value (not -inf: an all-masked padding row stays finite).
+pub const MASKED: f32 = -1e9;
+
+/// A packed training batch: several samples concatenated per row, positions restarting
+/// per sample, attention confined to each sample.
+#[derive(Debug, Clone)]
+pub struct Packed {
+    /// Token ids (B, T), u32.
+    pub tokens: Tensor,
+    /// Position ids (B, T), u32, restarting at 0 for every sample.
+    pub positions: Tensor,
+    /// Additive attention mask (B, 1, T, T).
+    pub mask: Tensor,
+    /// Row, start offset and length of every sample, in input order.
+    pub spans: Vec<(usize, usize, usize)>,
+    /// Columns per row.
+    pub width: usize,
+}
+
+impl Packed {
+    /// Packs `rows`: each row is a list of samples (token sequences) laid end to end; rows
+    /// are right-padded to the longest.
+    pub fn new(rows: &[Vec<Vec<u32>>], device: &Device) -> Result<Packed> {
+        let width = rows
+            .iter()
+            .map(|r| r.iter().map(Vec::len).sum::<usize>())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let b = rows.len().max(1);
+        let mut tokens = vec![0u32; b * width];
+        let mut positions = vec![0u32; b * width];
+        let mut segment = vec![u32::MAX; b * width];
+        let mut spans = Vec::new();
+        for (r, row) in rows.iter().enumerate() {
+            let mut at = 0;
+            for (s, sample) in row.iter().enumerate() {
+                for (i, &tok) in sample.iter().enumerate() {
+                    tokens[r * width + at + i] = tok;
+                    positions[r * width + at + i] = i as u32;
+                    segment[r * width + at + i] = s as u32;
+                }
+                spans.push((r, at, sample.len()));
+                at += sample.len();
+            }
+        }
+        let mut mask = vec![MASKED; b * width * width];
+        for r in 0..b {
+            for i in 0..width {
+                for j in 0..=i {
+                    let (si, sj) = (segment[r * width + i], segment[r * width + j]);
+                    // Padding attends to itself only, so its row stays well defined.
+                    if (si == sj && si != u32::MAX) || i == j {
+                        mask[(r * width + i) * width + j] = 0.0;
+                    }
+                }
+            }
+        }
+        Ok(Packed {
+            tokens: Tensor::from_vec(tokens, (b, width), device)?,
+            positions: Tensor::from_vec(positions, (b, width), device)?,
+            mask: Tensor::from_vec(mask, (b, 1, width, width), device)?,
+            spans,
+            width,
+        })
+    }
+}
+
+/// Per-token logprobs at temperature `t`: `out[b, i] = log_softmax(logits[b, i-1] / t)[tokens[b, i]]`
+/// for i ≥ 1; column 0 (which has no preceding logits) is 0. Differentiable.
+pub fn token_logprobs(logits: &Tensor, tokens: &Tensor, temperature: f64) -> Result<Tensor> {
+    let (b, t, _v) = logits.dims3()?;
+    if t < 2 {
+        return Ok(Tensor::zeros((b, t), DType::F32, logits.device())?);
+    }
+    let scaled = if temperature == 1.0 {
+        logits.narrow(1, 0, t - 1)?
+    } else {
+        (logits.narrow(1, 0, t - 1)? / temperature)?
+    };
+    let lsm = candle_nn::ops::log_softmax(&scaled, D::Minus1)?;
+    let next = tokens.narrow(1, 1, t - 1)?.unsqueeze(D::Minus1)?;
+    let lp = lsm.gather(&next.contiguous()?, D::Minus1)?.squeeze(D::Minus1)?;
+    Ok(Tensor::cat(
+        &[Tensor::zeros((b, 1), DType::F32, logits.device())?, lp],
+        1,
+    )?)
+}
+
+/// Mean entropy (nats) of the next-token distributions at temperature `t` over positions
+/// where `mask` (B, T) is 1 (shifted like [`token_logprobs`]). Not differentiated.
+pub fn masked_entropy(logits: &Tensor, mask: &Tensor, temperature: f64) -> Result<f32> {
+    let (_b, t, _v) = logits.dims3()?;
+    if t < 2 {
+        return Ok(0.0);
+    }
+    let l = (logits.narrow(1, 0, t - 1)?.detach() / temperature)?;
+    let lsm = candle_nn::ops::log_softmax(&l, D::Minus1)?;
+    let ent = (lsm.exp()? * &lsm)?.sum(D::Minus1)?.neg()?;
+    let m = mask.narrow(1, 1, t - 1)?;
+    let n = m.sum_all()?.to_scalar::<f32>()?;
+    if n == 0.0 {
+        return Ok(0.0);
+    }
+    Ok((ent * m)?.sum_all()?.to_scalar::<f32>()? / n)
+}
+
+/// Index helper used by tests and the sampler: last-position logits of each row.
+pub fn last_logits(logits: &Tensor) -> Result<Tensor> {
+    let (_b, t, _v) = logits.dims3()?;
+    Ok(logits.i((.., t - 1, ..))?)
+}

@@ -1,0 +1,392 @@
+//! The policy model: gradients reach every parameter (dense and MoE), finite differences
+//! agree, packing isolates samples, cached decoding equals a full recompute, checkpoints
+//! round-trip exactly (single file and sharded), and optimizer resume is bit-identical.
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::VarMap;
+use streamrl_model::checkpoint;
+use streamrl_model::config::{HfConfig, RopeLayout, RouterScore, preset};
+use streamrl_model::generate::{Sampling, generate};
+use streamrl_model::loss::{self, LossInputs, LossKind};
+use streamrl_model::optim::{Optimizer, OptimizerConfig, OptimizerKind};
+use streamrl_model::{Packed, Transformer, token_logprobs};
+
+const V: usize = 48;
+
+fn dense(model_type: &str) -> HfConfig {
+    let mut h = preset("tiny", V).unwrap();
+    h.model_type = Some(model_type.into());
+    h.hidden_size = 32;
+    h.head_dim = Some(8);
+    h.intermediate_size = 48;
+    h.tie_word_embeddings = false;
+    h
+}
+
+fn moe(score: RouterScore, shared: bool) -> HfConfig {
+    let mut h = dense("qwen3_moe");
+    h.num_experts = Some(4);
+    h.num_experts_per_tok = Some(2);
+    h.moe_intermediate_size = Some(24);
+    h.norm_topk_prob = Some(true);
+    h.router_score = Some(score);
+    h.shared_expert_intermediate_size = shared.then_some(16);
+    h
+}
+
+fn all_configs() -> Vec<(&'static str, HfConfig)> {
+    let mut llama_i = dense("llama");
+    llama_i.rope_layout = Some(RopeLayout::Interleaved);
+    llama_i.tie_word_embeddings = true;
+    vec![
+        ("llama (interleaved rope, tied)", llama_i),
+        ("qwen2 (qkv bias)", dense("qwen2")),
+        ("qwen3 (qk norm)", dense("qwen3")),
+        ("qwen3_moe softmax + shared expert", moe(RouterScore::Softmax, true)),
+        ("mixtral-style sigmoid router", {
+            let mut h = moe(RouterScore::Sigmoid, false);
+            h.model_type = Some("mixtral".into());
+            h.num_local_experts = h.num_experts.take();
+            h
+        }),
+    ]
+}
+
+fn samples() -> Vec<Vec<Vec<u32>>> {
+    vec![
+        vec![vec![5, 9, 13, 2, 7, 30], vec![11, 3, 8, 41]],
+        vec![vec![1, 2, 3, 4, 5, 6, 7, 8, 9]],
+    ]
+}
+
+/// The default RL loss (plus the MoE balance loss) over a packed batch, with sampler
+/// logprobs taken from the model as it is now (ratios then start near 1).
+fn rl_loss(model: &Transformer) -> Tensor {
+    rl_loss_against(model, None)
+}
+
+/// The same with fixed sampler logprobs, so that the loss value depends on the weights
+/// (as the finite-difference check needs).
+fn rl_loss_against(model: &Transformer, fixed_sampler: Option<&[f32]>) -> Tensor {
+    let batch = Packed::new(&samples(), &Device::Cpu).unwrap();
+    let (logits, aux) = model.forward(&batch).unwrap();
+    let lp = token_logprobs(&logits, &batch.tokens, 1.0)
+        .unwrap()
+        .flatten_all()
+        .unwrap();
+    let n = lp.dims1().unwrap();
+    let width = batch.width;
+    let mut mask = vec![0f32; n];
+    let mut spans = Vec::new();
+    for &(row, start, len) in &batch.spans {
+        // Position 0 of a sample has no logprob; the rest are trainable.
+        for i in 1..len {
+            mask[row * width + start + i] = 1.0;
+        }
+        spans.push((row * width + start, len));
+    }
+    let host = lp.to_vec1::<f32>().unwrap();
+    // Sampler logprobs near the trainer's (ratios within [0.5, 5]) and mixed advantages.
+    let sampler: Vec<f32> = match fixed_sampler {
+        Some(f) => f.to_vec(),
+        None => host
+            .iter()
+            .enumerate()
+            .map(|(i, l)| l + 0.05 * ((i % 5) as f32 - 2.0))
+            .collect(),
+    };
+    let adv: Vec<f32> = (0..n)
+        .map(|i| if i % 3 == 0 { -0.7 } else { 0.4 + 0.1 * (i % 4) as f32 })
+        .collect();
+    let (l, m) = loss::compute(
+        LossKind::default(),
+        LossInputs {
+            logprobs: &lp,
+            sampler: &sampler,
+            advantages: &adv,
+            mask: &mask,
+            spans: &spans,
+        },
+    )
+    .unwrap();
+    assert_eq!(m.masked_low + m.masked_high, 0.0);
+    (l + aux.balance_loss).unwrap()
+}
+
+#[test]
+fn every_parameter_receives_a_nonzero_gradient() {
+    for (name, hf) in all_configs() {
+        let loaded = checkpoint::init(&hf, &Device::Cpu).unwrap();
+        let grads = rl_loss(&loaded.model).backward().unwrap();
+        let data = loaded.vars.data().lock().unwrap();
+        let mut without = Vec::new();
+        for (k, v) in data.iter() {
+            let norm = grads
+                .get(v.as_tensor())
+                .map(|g| g.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap());
+            if !norm.is_some_and(|n| n > 0.0 && n.is_finite()) {
+                without.push(k.clone());
+            }
+        }
+        without.sort();
+        assert!(
+            without.is_empty(),
+            "{name}: {} of {} parameters got no gradient: {without:?}",
+            without.len(),
+            data.len()
+        );
+        assert!(data.len() > 10, "{name}: only {} parameters", data.len());
+    }
+}
+
+#[test]
+fn finite_differences_agree_with_backprop() {
+    // Top-k selection is discontinuous: a finite difference across a routing flip measures
+    // a jump, not a slope. With every expert selected the MoE layer is smooth, and the
+    // router, expert and shared-expert gradients can be checked exactly.
+    let mut smooth_moe = moe(RouterScore::Softmax, true);
+    smooth_moe.num_experts_per_tok = Some(4);
+    for (name, hf) in [("qwen3", dense("qwen3")), ("moe", smooth_moe)] {
+        let loaded = checkpoint::init(&hf, &Device::Cpu).unwrap();
+        let batch = Packed::new(&samples(), &Device::Cpu).unwrap();
+        let lp0 = token_logprobs(&loaded.model.forward(&batch).unwrap().0, &batch.tokens, 1.0).unwrap();
+        let sampler: Vec<f32> = lp0
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(i, l)| l + 0.05 * ((i % 5) as f32 - 2.0))
+            .collect();
+        let grads = rl_loss_against(&loaded.model, Some(&sampler)).backward().unwrap();
+        let data = loaded.vars.data().lock().unwrap();
+        let mut probes = vec![
+            "model.embed_tokens.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.self_attn.k_proj.weight",
+            "model.layers.0.input_layernorm.weight",
+            "model.layers.1.self_attn.q_norm.weight",
+            "lm_head.weight",
+        ];
+        if name == "moe" {
+            probes.extend([
+                "model.layers.0.mlp.gate.weight",
+                "model.layers.0.mlp.experts.1.up_proj.weight",
+                "model.layers.1.mlp.shared_expert.down_proj.weight",
+                "model.layers.1.mlp.shared_expert_gate.weight",
+            ]);
+        } else {
+            probes.push("model.layers.0.mlp.down_proj.weight");
+        }
+        for p in probes {
+            let var: &Var = &data[p];
+            let g = grads
+                .get(var.as_tensor())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            // Probe the entry with the largest gradient (best signal-to-rounding ratio).
+            let (idx, &an) = g
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
+                .unwrap();
+            let orig = var.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            // Small enough that no top-k routing decision flips, large enough for f32.
+            let h = 2e-3f32;
+            let eval = |delta: f32| {
+                let mut w = orig.clone();
+                w[idx] += delta;
+                var.set(&Tensor::from_vec(w, var.shape(), &Device::Cpu).unwrap())
+                    .unwrap();
+                rl_loss_against(&loaded.model, Some(&sampler))
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap()
+            };
+            let fd = ((eval(h) - eval(-h)) / (2.0 * h as f64)) as f32;
+            var.set(&Tensor::from_vec(orig, var.shape(), &Device::Cpu).unwrap())
+                .unwrap();
+            let tol = 0.05 * an.abs() + 2e-4;
+            assert!(
+                (fd - an).abs() <= tol,
+                "{name} {p}[{idx}]: finite difference {fd} vs backprop {an}"
+            );
+        }
+    }
+}
+
+#[test]
+fn packed_samples_do_not_see_each_other() {
+    let loaded = checkpoint::init(&dense("qwen3"), &Device::Cpu).unwrap();
+    let a = vec![5u32, 9, 13, 2];
+    let b = vec![11u32, 3, 8, 41, 7];
+    let packed = Packed::new(&[vec![a.clone(), b.clone()]], &Device::Cpu).unwrap();
+    let alone = Packed::new(&[vec![b.clone()]], &Device::Cpu).unwrap();
+    let (lp, _) = loaded.model.forward(&packed).unwrap();
+    let (la, _) = loaded.model.forward(&alone).unwrap();
+    let x = lp.narrow(1, a.len(), b.len()).unwrap();
+    let diff = (x - la)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(diff <= 1e-5, "packed logits differ from alone by {diff}");
+}
+
+#[test]
+fn cached_decoding_logprobs_equal_a_full_recompute() {
+    for (name, hf) in all_configs() {
+        let loaded = checkpoint::init(&hf, &Device::Cpu).unwrap();
+        let prompts = vec![vec![5u32, 9, 13], vec![11u32, 3, 8, 41, 7, 2], vec![4u32]];
+        for temperature in [0.0, 0.8] {
+            let out = generate(
+                &loaded.model,
+                &prompts,
+                Sampling {
+                    temperature,
+                    max_tokens: 7,
+                    eos: None,
+                    seed: 3,
+                },
+            )
+            .unwrap();
+            for (r, prompt) in prompts.iter().enumerate() {
+                let full: Vec<u32> = prompt.iter().chain(&out.tokens[r]).copied().collect();
+                let batch = Packed::new(&[vec![full.clone()]], &Device::Cpu).unwrap();
+                let (logits, _) = loaded.model.forward(&batch).unwrap();
+                let t = if temperature > 0.0 { temperature } else { 1.0 };
+                let lp = token_logprobs(&logits, &batch.tokens, t)
+                    .unwrap()
+                    .to_vec2::<f32>()
+                    .unwrap()
+                    .remove(0);
+                for (k, &got) in out.logprobs[r].iter().enumerate() {
+                    let want = lp[prompt.len() + k];
+                    assert!(
+                        (got - want).abs() <= 1e-5,
+                        "{name} T={temperature} seq {r} token {k}: cached {got} vs full {want}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+fn logits_of(model: &Transformer) -> Vec<f32> {
+    let batch = Packed::new(&samples(), &Device::Cpu).unwrap();
+    model
+        .forward(&batch)
+        .unwrap()
+        .0
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+}
+
+#[test]
+fn checkpoints_round_trip_exactly_single_and_sharded() {
+    let dir = tempfile::tempdir().unwrap();
+    let hf = moe(RouterScore::Softmax, true);
+    let loaded = checkpoint::init(&hf, &Device::Cpu).unwrap();
+    let tok = streamrl_model::Tokenizer::char_level();
+    let want = logits_of(&loaded.model);
+    let single = dir.path().join("single");
+    let sha = checkpoint::save(&single, &hf, &loaded.vars, Some(&tok), None).unwrap();
+    assert_eq!(sha, checkpoint::weights_sha256(&single).unwrap());
+    let back = checkpoint::load(&single, &Device::Cpu).unwrap();
+    assert_eq!(logits_of(&back.model), want, "reloaded logits are identical");
+    assert!(back.tokenizer.is_some());
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(single.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["architectures"][0], "Qwen3MoeForCausalLM");
+
+    let sharded = dir.path().join("sharded");
+    checkpoint::save(&sharded, &hf, &loaded.vars, None, Some(64 * 1024)).unwrap();
+    let shards = std::fs::read_dir(&sharded)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".safetensors")
+        })
+        .count();
+    assert!(shards >= 2, "{shards} shards");
+    assert!(sharded.join("model.safetensors.index.json").exists());
+    assert_eq!(
+        logits_of(&checkpoint::load(&sharded, &Device::Cpu).unwrap().model),
+        want
+    );
+
+    // A checkpoint missing a weight names it.
+    let mut other = hf.clone();
+    other.num_hidden_layers = 3;
+    std::fs::write(single.join("config.json"), serde_json::to_string(&other).unwrap()).unwrap();
+    let e = checkpoint::load(&single, &Device::Cpu).err().unwrap().to_string();
+    assert!(e.contains("missing `model.layers.2."), "{e}");
+}
+
+fn train_steps(vars: &VarMap, model: &Transformer, opt: &mut Optimizer, steps: usize) {
+    for s in 0..steps {
+        let grads = rl_loss(model).backward().unwrap();
+        let st = opt.step(&grads, 1e-2 / (1 + s) as f64).unwrap();
+        assert_eq!(st.missing_grads, 0);
+    }
+    let _ = vars;
+}
+
+fn params(vars: &VarMap) -> Vec<(String, Vec<f32>)> {
+    let d = vars.data().lock().unwrap();
+    let mut v: Vec<_> = d
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            )
+        })
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+#[test]
+fn optimizer_resume_is_bit_identical() {
+    for kind in [OptimizerKind::Adamw, OptimizerKind::Muon] {
+        let dir = tempfile::tempdir().unwrap();
+        let hf = dense("qwen3");
+        let cfg = OptimizerConfig {
+            kind,
+            ..Default::default()
+        };
+        let a = checkpoint::init(&hf, &Device::Cpu).unwrap();
+        let mut opt = Optimizer::new(&a.vars, cfg.clone()).unwrap();
+        train_steps(&a.vars, &a.model, &mut opt, 2);
+        let ck = dir.path().join("ck");
+        checkpoint::save(&ck, &hf, &a.vars, None, None).unwrap();
+        opt.save(&ck).unwrap();
+        train_steps(&a.vars, &a.model, &mut opt, 2);
+
+        let b = checkpoint::load(&ck, &Device::Cpu).unwrap();
+        let mut opt_b = Optimizer::new(&b.vars, cfg.clone()).unwrap();
+        opt_b.load(&ck).unwrap();
+        assert_eq!(opt_b.steps(), 2);
+        train_steps(&b.vars, &b.model, &mut opt_b, 2);
+        assert_eq!(params(&a.vars), params(&b.vars), "{kind:?}: resumed training diverged");
+        // And training did move the weights.
+        assert_ne!(
+            params(&a.vars),
+            params(&checkpoint::load(&ck, &Device::Cpu).unwrap().vars)
+        );
+    }
+}
