@@ -22,6 +22,7 @@ pub mod checkpoint;
 pub mod config;
 mod error;
 pub mod generate;
+pub mod gguf;
 pub mod loss;
 pub mod model;
 pub mod optim;

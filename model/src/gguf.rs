@@ -1,0 +1,245 @@
+//! GGUF checkpoints (llama architecture, as llama.cpp writes them): dequantised into
+//! trainable f32 weights under Hugging Face names, with the Q/K rows un-permuted from
+//! llama.cpp's interleaved-RoPE order back to HF's half-split order, and the tokenizer
+//! rebuilt from the GGUF metadata. The result is an ordinary streamrl/HF model.
+
+use std::path::Path;
+use std::str::FromStr;
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::{Device, Tensor};
+
+use crate::checkpoint::{Loaded, init_seeded};
+use crate::config::HfConfig;
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+fn meta<'a>(c: &'a Content, key: &str, path: &Path) -> Result<&'a Value> {
+    c.metadata.get(key).ok_or_else(|| Error::Checkpoint {
+        path: path.display().to_string(),
+        reason: format!("no `{key}` in GGUF metadata"),
+    })
+}
+
+/// Loads a llama-architecture GGUF file as a trainable f32 model with its tokenizer.
+pub fn load(path: &Path, device: &Device) -> Result<Loaded> {
+    let mut file = std::fs::File::open(path).map_err(Error::io("opening", path))?;
+    let content = Content::read(&mut file).map_err(|e| Error::Checkpoint {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    let arch = meta(&content, "general.architecture", path)?.to_string()?.clone();
+    if arch != "llama" {
+        return Err(Error::Checkpoint {
+            path: path.display().to_string(),
+            reason: format!("architecture `{arch}` is not supported (llama)"),
+        });
+    }
+    let u = |k: &str| -> Result<usize> { Ok(meta(&content, &format!("llama.{k}"), path)?.to_u32()? as usize) };
+    let f = |k: &str| -> Result<f64> { Ok(meta(&content, &format!("llama.{k}"), path)?.to_f32()? as f64) };
+    let tokens = meta(&content, "tokenizer.ggml.tokens", path)?.to_vec()?;
+    let (d, heads) = (u("embedding_length")?, u("attention.head_count")?);
+    let kv = u("attention.head_count_kv").unwrap_or(heads);
+    let tied = !content.tensor_infos.contains_key("output.weight");
+    let hf = HfConfig {
+        model_type: Some("llama".into()),
+        vocab_size: tokens.len(),
+        hidden_size: d,
+        intermediate_size: u("feed_forward_length")?,
+        num_hidden_layers: u("block_count")?,
+        num_attention_heads: heads,
+        num_key_value_heads: Some(kv),
+        head_dim: Some(d / heads),
+        rms_norm_eps: f("attention.layer_norm_rms_epsilon")?,
+        rope_theta: f("rope.freq_base").unwrap_or(10_000.0),
+        max_position_embeddings: u("context_length").unwrap_or(2048),
+        tie_word_embeddings: tied,
+        ..Default::default()
+    };
+    let mut loaded = init_seeded(&hf, device, None)?;
+    let hd = d / heads;
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    let mut unused = Vec::new();
+    {
+        let data = loaded
+            .vars
+            .data()
+            .lock()
+            .map_err(|_| Error::Shape("var map lock poisoned".into()))?;
+        let mut seen = 0;
+        for name in names {
+            let Some(hf_name) = hf_name(name) else {
+                unused.push(name.clone());
+                continue;
+            };
+            let q = content.tensor(&mut file, name, device)?;
+            let mut t = q.dequantize(device)?;
+            if name.ends_with("attn_q.weight") {
+                t = unpermute(&t, heads, hd)?;
+            } else if name.ends_with("attn_k.weight") {
+                t = unpermute(&t, kv, hd)?;
+            }
+            let var = data.get(&hf_name).ok_or_else(|| Error::Checkpoint {
+                path: path.display().to_string(),
+                reason: format!("`{name}` maps to `{hf_name}`, which the model does not have"),
+            })?;
+            if var.dims() != t.dims() {
+                return Err(Error::Checkpoint {
+                    path: path.display().to_string(),
+                    reason: format!("`{name}` is {:?}, `{hf_name}` needs {:?}", t.dims(), var.dims()),
+                });
+            }
+            var.set(&t)?;
+            seen += 1;
+        }
+        if seen != data.len() {
+            return Err(Error::Checkpoint {
+                path: path.display().to_string(),
+                reason: format!(
+                    "filled {seen} of {} weights (unmapped GGUF tensors: {unused:?})",
+                    data.len()
+                ),
+            });
+        }
+    }
+    loaded.tokenizer = Some(tokenizer(&content, path)?);
+    Ok(loaded)
+}
+
+/// GGUF tensor name → Hugging Face name.
+fn hf_name(gguf: &str) -> Option<String> {
+    let fixed = match gguf {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some(f.to_string());
+    }
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, part) = rest.split_once('.')?;
+    let hf = match part {
+        "attn_norm.weight" => "input_layernorm.weight",
+        "attn_q.weight" => "self_attn.q_proj.weight",
+        "attn_k.weight" => "self_attn.k_proj.weight",
+        "attn_v.weight" => "self_attn.v_proj.weight",
+        "attn_output.weight" => "self_attn.o_proj.weight",
+        "ffn_norm.weight" => "post_attention_layernorm.weight",
+        "ffn_gate.weight" => "mlp.gate_proj.weight",
+        "ffn_up.weight" => "mlp.up_proj.weight",
+        "ffn_down.weight" => "mlp.down_proj.weight",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}"))
+}
+
+/// Undoes llama.cpp's `permute` of q/k rows: per head, GGUF row `2i + j` is HF row
+/// `j·hd/2 + i`.
+pub fn unpermute(w: &Tensor, heads: usize, hd: usize) -> Result<Tensor> {
+    let (rows, cols) = w.dims2()?;
+    if rows != heads * hd {
+        return Err(Error::Shape(format!(
+            "q/k weight has {rows} rows, expected {heads} heads × {hd}"
+        )));
+    }
+    Ok(w.reshape((heads, hd / 2, 2, cols))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((rows, cols))?)
+}
+
+/// Rebuilds a byte-level BPE `tokenizer.json` from `tokenizer.ggml.*` metadata.
+fn tokenizer(c: &Content, path: &Path) -> Result<Tokenizer> {
+    let model = meta(c, "tokenizer.ggml.model", path)?.to_string()?;
+    if model != "gpt2" {
+        return Err(Error::Tokenizer(format!(
+            "GGUF tokenizer model `{model}` is not supported (gpt2 byte-level BPE)"
+        )));
+    }
+    let tokens: Vec<String> = meta(c, "tokenizer.ggml.tokens", path)?
+        .to_vec()?
+        .iter()
+        .map(|v| v.to_string().cloned())
+        .collect::<candle_core::Result<_>>()?;
+    let merges: Vec<String> = meta(c, "tokenizer.ggml.merges", path)?
+        .to_vec()?
+        .iter()
+        .map(|v| v.to_string().cloned())
+        .collect::<candle_core::Result<_>>()?;
+    let types: Vec<i32> = match c.metadata.get("tokenizer.ggml.token_type") {
+        Some(v) => v
+            .to_vec()?
+            .iter()
+            .map(|x| x.to_i32())
+            .collect::<candle_core::Result<_>>()?,
+        None => vec![1; tokens.len()],
+    };
+    let vocab: serde_json::Map<String, serde_json::Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), serde_json::json!(i)))
+        .collect();
+    // Control (3) and user-defined (4) tokens are matched whole, before BPE.
+    let added: Vec<serde_json::Value> = tokens
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| matches!(types.get(*i), Some(3 | 4)))
+        .map(|(i, t)| serde_json::json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
+        .collect();
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab, "merges": merges}
+    });
+    let inner = tokenizers::Tokenizer::from_str(&json.to_string())
+        .map_err(|e| Error::Tokenizer(format!("rebuilding from GGUF: {e}")))?;
+    let mut t = Tokenizer::new(inner);
+    if let Some(eos) = c
+        .metadata
+        .get("tokenizer.ggml.eos_token_id")
+        .and_then(|v| v.to_u32().ok())
+    {
+        t.eos = Some(eos);
+    }
+    if let Some(bos) = c
+        .metadata
+        .get("tokenizer.ggml.bos_token_id")
+        .and_then(|v| v.to_u32().ok())
+    {
+        t.bos = Some(bos);
+    }
+    Ok(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permute() {
+        // HF → GGUF as llama.cpp's convert script does: reshape(h, 2, hd/2, in).swapaxes(1, 2).
+        let (h, hd, cols) = (3, 4, 2);
+        let hf = Tensor::arange(0f32, (h * hd * cols) as f32, &Device::Cpu)
+            .unwrap()
+            .reshape((h * hd, cols))
+            .unwrap();
+        let gguf = hf
+            .reshape((h, 2, hd / 2, cols))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .reshape((h * hd, cols))
+            .unwrap();
+        let back = unpermute(&gguf, h, hd).unwrap();
+        assert_eq!(back.to_vec2::<f32>().unwrap(), hf.to_vec2::<f32>().unwrap());
+        assert_ne!(gguf.to_vec2::<f32>().unwrap(), hf.to_vec2::<f32>().unwrap());
+    }
+}

