@@ -58,7 +58,7 @@ fn smollm2_answers_paris_and_round_trips_as_an_hf_checkpoint() {
     let eos = tok.token_id("<|im_end|>");
     let out = generate(
         &loaded.model,
-        &[ids.clone()],
+        std::slice::from_ref(&ids),
         Sampling {
             temperature: 0.0,
             max_tokens: 12,
