@@ -12,6 +12,16 @@ use streamrl_schemas::{Headers, MetricRow, SchemaId, TopicRow};
 
 #[derive(Subcommand)]
 pub enum Which {
+    /// Training tokens/s (forward + backward + optimizer), single-threaded, at three shapes:
+    /// streamrl's fused AdamW step vs the same model stepped by candle's stock AdamW.
+    Train {
+        /// Timed steps per shape (after one warm-up step).
+        #[arg(long, default_value_t = 3)]
+        steps: usize,
+        /// Skip the SmolLM2-135M shape (≈10 s per step).
+        #[arg(long)]
+        skip_large: bool,
+    },
     /// Memory bus rows/s (vs an mpsc channel) and, with --kafka, Kafka MB/s (vs raw rdkafka).
     Bus {
         /// Kafka URL for the Kafka half (e.g. kafka://127.0.0.1:9092); omitted: memory only.
@@ -31,6 +41,7 @@ pub enum Which {
 
 pub async fn run(which: Which) -> Result<()> {
     match which {
+        Which::Train { steps, skip_large } => crate::bench_train::run(steps, skip_large),
         Which::Bus {
             kafka,
             rows_per_message,

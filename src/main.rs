@@ -5,6 +5,8 @@
 //! `query` (SQL over the Parquet archive), `replay`, and `bench`.
 
 mod bench;
+mod bench_train;
+mod model_cmd;
 mod stages;
 
 use std::path::PathBuf;
@@ -117,6 +119,11 @@ enum Command {
         /// Topology file (topic schemas and keys).
         #[arg(short, long, default_value = "topology.yaml")]
         topology: PathBuf,
+    },
+    /// Create and inspect policy checkpoints.
+    Model {
+        #[command(subcommand)]
+        cmd: model_cmd::ModelCmd,
     },
     /// Benchmarks that print a table with a ratio against a baseline run in-process.
     Bench {
@@ -327,6 +334,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
             );
             Ok(())
         }
+        Command::Model { cmd } => model_cmd::run(cmd),
         Command::Bench { which } => bench::run(which).await,
     }
 }

@@ -30,12 +30,28 @@ impl Linear {
 
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = x.broadcast_matmul(&self.w.t()?)?;
+        let y = matmul_t(x, &self.w)?;
         match &self.b {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
     }
+}
+
+/// `x @ w^T` for x of rank ≥ 2, as one 2-D gemm. (A broadcast matmul would expand `w` per
+/// batch row, and its backward would then materialise and reduce one weight gradient per
+/// row: several times slower.)
+fn matmul_t(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let dims = x.dims();
+    if dims.len() == 2 {
+        return x.matmul(&w.t()?);
+    }
+    let inner = dims[dims.len() - 1];
+    let rows = x.elem_count() / inner;
+    let y = x.reshape((rows, inner))?.matmul(&w.t()?)?;
+    let mut out = dims.to_vec();
+    *out.last_mut().expect("rank ≥ 2") = w.dim(0)?;
+    y.reshape(out)
 }
 
 /// RMSNorm from basic ops.
@@ -478,7 +494,7 @@ impl Transformer {
         let x = self.norm.forward(&x)?;
         let logits = match &self.head {
             Some(h) => h.forward(&x)?,
-            None => x.broadcast_matmul(&self.embed.t()?)?,
+            None => matmul_t(&x, &self.embed)?,
         };
         let balance_loss = aux
             .iter()

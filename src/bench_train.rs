@@ -1,0 +1,167 @@
+//! `streamrl bench train`: step time and training tokens/s of the policy model.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+use candle_nn::Optimizer as _;
+use streamrl_model::config::HfConfig;
+use streamrl_model::loss::{self, LossInputs, LossKind};
+use streamrl_model::optim::{Optimizer, OptimizerConfig};
+use streamrl_model::{Packed, checkpoint, token_logprobs};
+
+struct Shape {
+    name: &'static str,
+    hf: HfConfig,
+    batch: usize,
+    seq: usize,
+    /// PyTorch 2.15 CPU, 1 thread, same shape (issue #3, measured on this machine).
+    torch_ms: f64,
+}
+
+fn shapes(skip_large: bool) -> Vec<Shape> {
+    let mk = |d: usize, layers: usize, heads: usize, ff: usize, vocab: usize| HfConfig {
+        model_type: Some("llama".into()),
+        vocab_size: vocab,
+        hidden_size: d,
+        intermediate_size: ff,
+        num_hidden_layers: layers,
+        num_attention_heads: heads,
+        num_key_value_heads: Some(heads),
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        max_position_embeddings: 256,
+        tie_word_embeddings: false,
+        ..Default::default()
+    };
+    let mut v = vec![
+        Shape {
+            name: "d128 L2 V64, 64×16",
+            hf: mk(128, 2, 4, 336, 64),
+            batch: 64,
+            seq: 16,
+            torch_ms: 50.0,
+        },
+        Shape {
+            name: "d256 L4 V64, 64×16",
+            hf: mk(256, 4, 4, 688, 64),
+            batch: 64,
+            seq: 16,
+            torch_ms: 275.0,
+        },
+    ];
+    if !skip_large {
+        let mut smol = mk(576, 30, 9, 1536, 49152);
+        smol.num_key_value_heads = Some(3);
+        smol.rope_theta = 100_000.0;
+        v.push(Shape {
+            name: "SmolLM2-135M shape, 4×128",
+            hf: smol,
+            batch: 4,
+            seq: 128,
+            torch_ms: 6800.0,
+        });
+    }
+    v
+}
+
+/// One training step: packed forward, logprobs, SFT loss over every next token, backward,
+/// optimizer step. Returns the step time.
+fn step(
+    model: &streamrl_model::Transformer,
+    batch: &Packed,
+    opt: &mut dyn FnMut(&candle_core::backprop::GradStore) -> Result<()>,
+) -> Result<Duration> {
+    let t0 = Instant::now();
+    let (logits, _) = model.forward(batch)?;
+    let lp = token_logprobs(&logits, &batch.tokens, 1.0)?.flatten_all()?;
+    let n = lp.dims1()?;
+    let mask: Vec<f32> = (0..n).map(|i| if i % batch.width == 0 { 0.0 } else { 1.0 }).collect();
+    let zeros = vec![0f32; n];
+    let (l, _) = loss::compute(
+        LossKind::Sft,
+        LossInputs {
+            logprobs: &lp,
+            sampler: &zeros,
+            advantages: &zeros,
+            mask: &mask,
+            spans: &[],
+        },
+    )?;
+    let grads = l.backward()?;
+    opt(&grads)?;
+    Ok(t0.elapsed())
+}
+
+pub fn run(steps: usize, skip_large: bool) -> Result<()> {
+    let threads = std::env::var("CANDLE_NUM_THREADS").unwrap_or_else(|_| "default".into());
+    println!("streamrl bench train (CANDLE_NUM_THREADS={threads}; best of {steps} steps after one warm-up)");
+    println!();
+    println!(
+        "{:<28} {:>10} {:>11} {:>11} {:>8} {:>11} {:>9}",
+        "shape", "params", "fused ms", "stock ms", "ratio", "tokens/s", "vs torch"
+    );
+    for s in shapes(skip_large) {
+        let rows: Vec<Vec<Vec<u32>>> = (0..s.batch)
+            .map(|b| {
+                vec![
+                    (0..s.seq)
+                        .map(|i| ((b * 7 + i * 13) % s.hf.vocab_size) as u32)
+                        .collect(),
+                ]
+            })
+            .collect();
+        let batch = Packed::new(&rows, &Device::Cpu)?;
+        let time = |stock: bool| -> Result<(f64, usize)> {
+            let m = checkpoint::init(&s.hf, &Device::Cpu)?;
+            let params = crate::model_cmd::parameters(&m.vars);
+            let cfg = OptimizerConfig {
+                max_grad_norm: 0.0,
+                ..Default::default()
+            };
+            let mut ours = Optimizer::new(&m.vars, cfg)?;
+            let mut theirs = candle_nn::AdamW::new(
+                m.vars.all_vars(),
+                candle_nn::ParamsAdamW {
+                    lr: 1e-4,
+                    ..Default::default()
+                },
+            )?;
+            let mut opt = |g: &candle_core::backprop::GradStore| -> Result<()> {
+                if stock {
+                    theirs.step(g)?;
+                } else {
+                    ours.step(g, 1e-4)?;
+                }
+                Ok(())
+            };
+            let mut best = f64::INFINITY;
+            for i in 0..=steps {
+                let d = step(&m.model, &batch, &mut opt)?.as_secs_f64() * 1e3;
+                if i > 0 {
+                    best = best.min(d);
+                }
+            }
+            Ok((best, params))
+        };
+        let (fused, params) = time(false)?;
+        let (stock, _) = time(true)?;
+        let tokens = (s.batch * s.seq) as f64;
+        println!(
+            "{:<28} {:>10} {:>11.1} {:>11.1} {:>8.2} {:>11.0} {:>8.2}×",
+            s.name,
+            params,
+            fused,
+            stock,
+            stock / fused,
+            tokens / (fused / 1e3),
+            fused / s.torch_ms
+        );
+    }
+    println!();
+    println!("ratio: stock candle AdamW step time / streamrl's (higher is better).");
+    println!("vs torch: streamrl step time / PyTorch 2.15 CPU single-threaded on the same shape");
+    println!("(≈50 ms, 275 ms, 6.8 s, measured on this machine for issue #3; below 1.00× beats it).");
+    let _ = Tensor::zeros(1, candle_core::DType::F32, &Device::Cpu)?;
+    Ok(())
+}
