@@ -86,13 +86,19 @@ fn model_init_writes_a_loadable_checkpoint() {
     let out = dir.path().join("tiny");
     let (ok, stdout, err) = streamrl(&["model", "init", "--preset", "tiny", "--out", out.to_str().unwrap()]);
     assert!(ok, "{err}");
-    assert!(stdout.contains("406784 parameters") && stdout.contains("vocab 100"), "{stdout}");
+    assert!(
+        stdout.contains("406784 parameters") && stdout.contains("vocab 100"),
+        "{stdout}"
+    );
     for f in ["config.json", "model.safetensors", "tokenizer.json"] {
         assert!(out.join(f).exists(), "{f} missing");
     }
     let (ok, stdout, err) = streamrl(&["model", "info", out.to_str().unwrap()]);
     assert!(ok, "{err}");
-    assert!(stdout.contains("parameters: 406784") && stdout.contains("Qwen3"), "{stdout}");
+    assert!(
+        stdout.contains("parameters: 406784") && stdout.contains("Qwen3"),
+        "{stdout}"
+    );
     let (ok, _, err) = streamrl(&["model", "init", "--preset", "huge", "--out", out.to_str().unwrap()]);
     assert!(!ok && err.contains("unknown preset `huge`"), "{err}");
 }
