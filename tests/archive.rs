@@ -9,49 +9,13 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::rollout;
 use streamrl_archive::{ArchiveConfig, ArchiveStage, Sql};
 use streamrl_runtime::bus::{self, Bus, Record};
 use streamrl_runtime::runner::{Shutdown, StageMetrics, run_stage};
 use streamrl_runtime::topology::Topology;
 use streamrl_schemas::codec::{self, Compression};
-use streamrl_schemas::{Headers, MetricRow, RolloutRow, SchemaId, ToolCall, TopicRow};
-
-fn rollout(i: u32) -> RolloutRow {
-    RolloutRow {
-        run_id: "arch".into(),
-        problem_id: format!("p{}", i / 4),
-        group_id: format!("g{}", i / 4),
-        rollout_id: format!("r{i}"),
-        sample_id: format!("r{i}-0"),
-        env: "arith".into(),
-        step: (i / 8) as u64,
-        sample_index: i % 4,
-        turn: 0,
-        prompt: format!("{i}+1="),
-        prompt_token_ids: vec![i, 1, 2],
-        completion: format!("{}", i + 1),
-        completion_token_ids: vec![i + 1, 0],
-        completion_logprobs: vec![-0.5, -0.125],
-        completion_versions: vec![i / 8, i / 8],
-        loss_mask: vec![true, true],
-        finish_reason: "stop".into(),
-        tool_calls: if i.is_multiple_of(5) {
-            vec![ToolCall {
-                id: "c".into(),
-                name: "python".into(),
-                arguments: "{\"code\":\"1\"}".into(),
-            }]
-        } else {
-            vec![]
-        },
-        answer: Some(format!("{}", i + 1)),
-        info: None,
-        temperature: 1.0,
-        started_at: 1_764_460_800_000 + i as i64,
-        finished_at: 1_764_460_800_100 + i as i64,
-        created_at: 1_764_460_800_200 + i as i64,
-    }
-}
+use streamrl_schemas::{Headers, MetricRow, RolloutRow, SchemaId, TopicRow};
 
 const TOPOLOGY: &str = r#"
 bus: memory://archive-test

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use common::rollout;
 use streamrl_archive::{ArchiveConfig, ArchiveWriter, Sql};
 use streamrl_runtime::bus::{self, Record};
 use streamrl_schemas::codec::{self, Compression};
@@ -116,35 +117,6 @@ async fn stage_process_flushes_and_commits_on_sigterm() {
         .unwrap();
     let text = arrow::util::pretty::pretty_format_batches(&n).unwrap().to_string();
     assert!(text.contains("| 10 | 45 |"), "{text}");
-}
-
-fn rollout(i: u32) -> RolloutRow {
-    RolloutRow {
-        run_id: "kcat".into(),
-        problem_id: format!("p{}", i / 4),
-        group_id: format!("g{}", i / 4),
-        rollout_id: format!("r{i}"),
-        sample_id: format!("r{i}-0"),
-        env: "arith".into(),
-        step: (i / 8) as u64,
-        sample_index: i % 4,
-        turn: 0,
-        prompt: "1+1=".into(),
-        prompt_token_ids: vec![1, 2, 3],
-        completion: "2".into(),
-        completion_token_ids: vec![4, 5],
-        completion_logprobs: vec![-0.25, -0.5],
-        completion_versions: vec![1, 1],
-        loss_mask: vec![true, true],
-        finish_reason: "stop".into(),
-        tool_calls: vec![],
-        answer: None,
-        info: None,
-        temperature: 1.0,
-        started_at: 0,
-        finished_at: 0,
-        created_at: 0,
-    }
 }
 
 /// librdkafka built by rdkafka-sys (2.12): Debian's kcat links librdkafka 2.0.2, whose

@@ -282,69 +282,84 @@ async fn held_inputs_commit_on_release_and_state_survives_restart() {
     let mut r = rig(None).await;
     let dir = tempfile::tempdir().unwrap();
     r.cfg.state_dir = Some(dir.path().to_path_buf());
+    let rows_seen = Arc::new(std::sync::Mutex::new(0u64));
+    let wait_rows = |n: u64| {
+        let seen = rows_seen.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            while *seen.lock().unwrap() != n {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "rows seen: {} (waiting for {n})",
+                    seen.lock().unwrap()
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
     let sd = Shutdown::new();
+    let probe = Probe(Counter::default(), rows_seen.clone());
     let task = tokio::spawn(run_stage(
         r.bus.clone(),
         r.cfg.clone(),
-        Box::new(Counter::default()),
+        Box::new(probe),
         sd.clone(),
         Arc::new(StageMetrics::default()),
     ));
     for _ in 0..4 {
         send(&r.bus, &rows(&["a", "b"]), None).await;
     }
+    // All four inputs processed: the first three were released (committed), the 4th is held.
+    wait_rows(8).await;
     let committed = || async { r.bus.topic_stats("in", &["stage".into()]).await.unwrap()[0].committed[0].1 };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while committed().await != Some(3) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "release did not commit the held inputs"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    assert_eq!(
+        committed().await,
+        Some(3),
+        "release commits the held inputs, the 4th stays held"
+    );
     sd.trigger();
     task.await.unwrap().unwrap();
-    assert_eq!(committed().await, Some(3), "the 4th input is still held: not committed");
+    assert_eq!(
+        committed().await,
+        Some(3),
+        "the 4th input is still held at shutdown: not committed"
+    );
     assert_eq!(
         std::fs::read(dir.path().join("stage-0.state")).unwrap(),
         8u64.to_le_bytes()
     );
 
     // Restart: state restored (8 rows), the held 4th input comes again (+2), then 2 more.
+    *rows_seen.lock().unwrap() = 0;
     let sd = Shutdown::new();
-    let counter = Arc::new(std::sync::Mutex::new(0u64));
-    struct Probe(Counter, Arc<std::sync::Mutex<u64>>);
-    #[async_trait]
-    impl Stage for Probe {
-        async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
-            self.0.process(input, out).await?;
-            *self.1.lock().unwrap() = self.0.rows;
-            Ok(())
-        }
-        fn snapshot(&self) -> Option<Vec<u8>> {
-            self.0.snapshot()
-        }
-        fn restore(&mut self, s: &[u8]) -> Result<(), StageError> {
-            self.0.restore(s)
-        }
-    }
+    let probe = Probe(Counter::default(), rows_seen.clone());
     let task = tokio::spawn(run_stage(
         r.bus.clone(),
         r.cfg.clone(),
-        Box::new(Probe(Counter::default(), counter.clone())),
+        Box::new(probe),
         sd.clone(),
         Arc::new(StageMetrics::default()),
     ));
     send(&r.bus, &rows(&["c", "d"]), None).await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while *counter.lock().unwrap() != 12 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "rows seen after restart: {}",
-            counter.lock().unwrap()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_rows(12).await;
     sd.trigger();
     task.await.unwrap().unwrap();
+}
+
+/// Counter with its row count visible to the test.
+struct Probe(Counter, Arc<std::sync::Mutex<u64>>);
+
+#[async_trait]
+impl Stage for Probe {
+    async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
+        self.0.process(input, out).await?;
+        *self.1.lock().unwrap() = self.0.rows;
+        Ok(())
+    }
+    fn snapshot(&self) -> Option<Vec<u8>> {
+        self.0.snapshot()
+    }
+    fn restore(&mut self, s: &[u8]) -> Result<(), StageError> {
+        self.0.restore(s)
+    }
 }

@@ -56,17 +56,13 @@ fn smollm2_answers_paris_and_round_trips_as_an_hf_checkpoint() {
         "special tokens are matched whole"
     );
     let eos = tok.token_id("<|im_end|>");
-    let out = generate(
-        &loaded.model,
-        std::slice::from_ref(&ids),
-        Sampling {
-            temperature: 0.0,
-            max_tokens: 12,
-            eos,
-            seed: 0,
-        },
-    )
-    .unwrap();
+    let greedy = Sampling {
+        temperature: 0.0,
+        max_tokens: 12,
+        eos,
+        seed: 0,
+    };
+    let out = generate(&loaded.model, std::slice::from_ref(&ids), greedy).unwrap();
     let answer = tok.decode(&out.tokens[0]).unwrap();
     eprintln!("generated {:?}", t0.elapsed());
     assert!(answer.contains("Paris"), "answer: {answer:?}");
@@ -77,16 +73,6 @@ fn smollm2_answers_paris_and_round_trips_as_an_hf_checkpoint() {
     eprintln!("saved {:?}", t0.elapsed());
     let back = checkpoint::load(&dir.path().join("smol"), &Device::Cpu).unwrap();
     eprintln!("loaded {:?}", t0.elapsed());
-    let again = generate(
-        &back.model,
-        &[ids],
-        Sampling {
-            temperature: 0.0,
-            max_tokens: 12,
-            eos,
-            seed: 0,
-        },
-    )
-    .unwrap();
+    let again = generate(&back.model, &[ids], greedy).unwrap();
     assert_eq!(again, out);
 }

@@ -161,3 +161,42 @@ pub fn python_with(packages: &[&str]) -> (PathBuf, Option<PathBuf>) {
     }
     (PathBuf::from("python3"), Some(target))
 }
+
+/// A rollout row of sample `i`: groups of 4, steps of 8, a tool call every 5th.
+pub fn rollout(i: u32) -> streamrl_schemas::RolloutRow {
+    use streamrl_schemas::{RolloutRow, ToolCall};
+    RolloutRow {
+        run_id: "arch".into(),
+        problem_id: format!("p{}", i / 4),
+        group_id: format!("g{}", i / 4),
+        rollout_id: format!("r{i}"),
+        sample_id: format!("r{i}-0"),
+        env: "arith".into(),
+        step: (i / 8) as u64,
+        sample_index: i % 4,
+        turn: 0,
+        prompt: format!("{i}+1="),
+        prompt_token_ids: vec![i, 1, 2],
+        completion: format!("{}", i + 1),
+        completion_token_ids: vec![i + 1, 0],
+        completion_logprobs: vec![-0.5, -0.125],
+        completion_versions: vec![i / 8, i / 8],
+        loss_mask: vec![true, true],
+        finish_reason: "stop".into(),
+        tool_calls: if i.is_multiple_of(5) {
+            vec![ToolCall {
+                id: "c".into(),
+                name: "python".into(),
+                arguments: "{\"code\":\"1\"}".into(),
+            }]
+        } else {
+            vec![]
+        },
+        answer: Some(format!("{}", i + 1)),
+        info: None,
+        temperature: 1.0,
+        started_at: 1_764_460_800_000 + i as i64,
+        finished_at: 1_764_460_800_100 + i as i64,
+        created_at: 1_764_460_800_200 + i as i64,
+    }
+}

@@ -1,0 +1,192 @@
+//! Environments (task logic) and rubrics (reward logic), kept apart as in INTELLECT-3's
+//! verifiers: an [`Environment`] says where problems come from, how a problem becomes a
+//! prompt and how an answer is parsed out of a completion; its [`Rubric`] is a list of
+//! named, weighted reward functions.
+//!
+//! ```
+//! use streamrl_envs::{Environment, Split, build, rubric::ScoreInput};
+//!
+//! let env = build("arith", &serde_json::Value::Null).unwrap();
+//! let p = env.sample(Split::Train, 42);
+//! let completion = env.reference_completion(&p).unwrap();
+//! let parsed = env.parse_answer(&completion);
+//! let score = env.rubric().score(&ScoreInput { problem: &p, completion: &completion, parsed: parsed.as_deref() });
+//! assert_eq!(score.reward, 1.0);
+//! ```
+
+pub mod arith;
+pub mod countdown;
+pub mod equiv;
+pub mod math;
+pub mod parse;
+pub mod rubric;
+
+use serde::{Deserialize, Serialize};
+
+pub use rubric::Rubric;
+
+/// Which side of the fixed train/eval split to draw from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Split {
+    /// Problems for training.
+    Train,
+    /// Held-out problems for evaluation (never drawn for training).
+    Eval,
+}
+
+/// One problem of an environment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Problem {
+    /// Stable id.
+    pub id: String,
+    /// Environment name.
+    pub env: String,
+    /// The question.
+    pub question: String,
+    /// Reference answer, if any.
+    pub answer: Option<String>,
+    /// Environment-specific data (numbers, tests, ...).
+    pub info: serde_json::Value,
+}
+
+/// A chat message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Message {
+    /// system, user or assistant.
+    pub role: String,
+    /// Text.
+    pub content: String,
+}
+
+/// What the model is given.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Prompt {
+    /// Plain-text prompt (used with the built-in plain template).
+    pub text: String,
+    /// The same as chat messages (used with a checkpoint's chat template).
+    pub messages: Vec<Message>,
+    /// System prompt, if any.
+    pub system: Option<String>,
+}
+
+impl Prompt {
+    /// A single-turn prompt.
+    pub fn text(text: impl Into<String>) -> Self {
+        let text = text.into();
+        Prompt {
+            messages: vec![Message {
+                role: "user".into(),
+                content: text.clone(),
+            }],
+            text,
+            system: None,
+        }
+    }
+}
+
+/// Task logic.
+pub trait Environment: Send + Sync + std::fmt::Debug {
+    /// Name, as in topology.yaml.
+    fn name(&self) -> &str;
+    /// The problem drawn by `seed` from `split` (deterministic).
+    fn sample(&self, split: Split, seed: u64) -> Problem;
+    /// Size of a finite split (`None`: generated, unbounded).
+    fn split_len(&self, _split: Split) -> Option<usize> {
+        None
+    }
+    /// The prompt for a problem.
+    fn prompt(&self, problem: &Problem) -> Prompt;
+    /// The answer in a completion, if one can be found.
+    fn parse_answer(&self, completion: &str) -> Option<String>;
+    /// A correct completion, for SFT warm starts.
+    fn reference_completion(&self, problem: &Problem) -> Option<String>;
+    /// Reward logic.
+    fn rubric(&self) -> &Rubric;
+}
+
+fn config<T: serde::de::DeserializeOwned + Default>(v: &serde_json::Value) -> Result<T, Vec<String>> {
+    if v.is_null() {
+        Ok(T::default())
+    } else {
+        serde_json::from_value(v.clone()).map_err(|e| vec![e.to_string()])
+    }
+}
+
+/// Builds an environment by name from its configuration (`null`: defaults).
+pub fn build(name: &str, cfg: &serde_json::Value) -> Result<Box<dyn Environment>, Vec<String>> {
+    match name {
+        "arith" => Ok(Box::new(arith::Arith::new(config(cfg)?)?)),
+        "countdown" => {
+            if !cfg.is_null() && cfg.as_object().is_none_or(|m| !m.is_empty()) {
+                return Err(vec!["countdown takes no configuration".into()]);
+            }
+            Ok(Box::new(countdown::Countdown::new()))
+        }
+        "math" => Ok(Box::new(math::Math::new(config(cfg)?)?)),
+        other => Err(vec![format!(
+            "unknown environment `{other}` (built in: arith, countdown, math; code and tool need the sandbox)"
+        )]),
+    }
+}
+
+/// Environments mixed by weight.
+#[derive(Debug)]
+pub struct Mix {
+    envs: Vec<(Box<dyn Environment>, f64)>,
+}
+
+impl Mix {
+    /// A mix; weights must be positive.
+    pub fn new(envs: Vec<(Box<dyn Environment>, f64)>) -> Result<Self, Vec<String>> {
+        let errs: Vec<String> = envs
+            .iter()
+            .filter(|(_, w)| !w.is_finite() || *w <= 0.0)
+            .map(|(e, w)| format!("environment `{}` has weight {w}; weights must be positive", e.name()))
+            .collect();
+        if envs.is_empty() {
+            return Err(vec!["a mix needs at least one environment".into()]);
+        }
+        if errs.is_empty() { Ok(Mix { envs }) } else { Err(errs) }
+    }
+
+    /// The environment chosen by `u` in [0, 1).
+    pub fn pick(&self, u: f64) -> &dyn Environment {
+        let total: f64 = self.envs.iter().map(|(_, w)| w).sum();
+        let mut acc = 0.0;
+        for (e, w) in &self.envs {
+            acc += w / total;
+            if u < acc {
+                return e.as_ref();
+            }
+        }
+        self.envs.last().expect("non-empty").0.as_ref()
+    }
+
+    /// An environment by name.
+    pub fn get(&self, name: &str) -> Option<&dyn Environment> {
+        self.envs
+            .iter()
+            .find(|(e, _)| e.name() == name)
+            .map(|(e, _)| e.as_ref())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registry_and_mix() {
+        assert!(build("code", &serde_json::Value::Null).unwrap_err()[0].contains("unknown environment `code`"));
+        let e = build("arith", &serde_json::json!({"eval_every": 1, "bogus": 2})).unwrap_err();
+        assert!(e[0].contains("bogus"), "{e:?}");
+        let mix = Mix::new(vec![
+            (build("arith", &serde_json::Value::Null).unwrap(), 3.0),
+            (build("countdown", &serde_json::Value::Null).unwrap(), 1.0),
+        ])
+        .unwrap();
+        let picks: Vec<&str> = (0..100).map(|i| mix.pick(i as f64 / 100.0).name()).collect();
+        assert_eq!(picks.iter().filter(|n| **n == "arith").count(), 75);
+        assert!(Mix::new(vec![(build("math", &serde_json::Value::Null).unwrap(), 0.0)]).is_err());
+    }
+}
