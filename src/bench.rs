@@ -22,6 +22,13 @@ pub enum Which {
         #[arg(long)]
         skip_large: bool,
     },
+    /// Decode tokens/s of the KV-cache sampler at batch 1 and 32 (static batches), tiny and
+    /// small presets, single-threaded.
+    Generate {
+        /// New tokens per sequence.
+        #[arg(long, default_value_t = 64)]
+        tokens: usize,
+    },
     /// Memory bus rows/s (vs an mpsc channel) and, with --kafka, Kafka MB/s (vs raw rdkafka).
     Bus {
         /// Kafka URL for the Kafka half (e.g. kafka://127.0.0.1:9092); omitted: memory only.
@@ -42,6 +49,7 @@ pub enum Which {
 pub async fn run(which: Which) -> Result<()> {
     match which {
         Which::Train { steps, skip_large } => crate::bench_train::run(steps, skip_large),
+        Which::Generate { tokens } => crate::bench_train::generate(tokens),
         Which::Bus {
             kafka,
             rows_per_message,

@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use candle_nn::Optimizer as _;
 use streamrl_model::config::HfConfig;
 use streamrl_model::loss::{self, LossInputs, LossKind};
@@ -162,6 +162,82 @@ pub fn run(steps: usize, skip_large: bool) -> Result<()> {
     println!("ratio: stock candle AdamW step time / streamrl's (higher is better).");
     println!("vs torch: streamrl step time / PyTorch 2.15 CPU single-threaded on the same shape");
     println!("(≈50 ms, 275 ms, 6.8 s, measured on this machine for issue #3; below 1.00× beats it).");
-    let _ = Tensor::zeros(1, candle_core::DType::F32, &Device::Cpu)?;
     Ok(())
+}
+
+/// `streamrl bench generate`: decode throughput of the KV-cache sampler against greedy
+/// decoding that recomputes every sequence in full at each step.
+pub fn generate(tokens: usize) -> Result<()> {
+    use streamrl_model::generate::{Sampling, generate};
+    let threads = std::env::var("CANDLE_NUM_THREADS").unwrap_or_else(|_| "default".into());
+    println!(
+        "streamrl bench generate (CANDLE_NUM_THREADS={threads}; {tokens} new tokens per sequence, 16-token prompts)"
+    );
+    println!();
+    let header = [
+        "preset",
+        "batch",
+        "wall ms",
+        "decode tok/s",
+        "ms/step",
+        "recompute tok/s",
+        "ratio",
+    ];
+    println!(
+        "{:<8} {:>6} {:>10} {:>13} {:>9} {:>16} {:>7}",
+        header[0], header[1], header[2], header[3], header[4], header[5], header[6]
+    );
+    for preset in ["tiny", "small"] {
+        let hf = streamrl_model::config::preset(preset, 100)?;
+        let m = checkpoint::init(&hf, &Device::Cpu)?;
+        for batch in [1usize, 32] {
+            let prompts: Vec<Vec<u32>> = (0..batch)
+                .map(|b| (0..16).map(|i| ((b + i * 7) % 100) as u32).collect())
+                .collect();
+            let s = Sampling {
+                temperature: 1.0,
+                max_tokens: tokens,
+                eos: None,
+                seed: 1,
+            };
+            generate(&m.model, &prompts, s)?; // warm-up (page faults, allocator)
+            let t0 = Instant::now();
+            let out = generate(&m.model, &prompts, s)?;
+            let wall = t0.elapsed().as_secs_f64();
+            let produced: usize = out.tokens.iter().map(Vec::len).sum();
+            let rate = produced as f64 / wall;
+            let base = recompute_tokens_per_sec(&m.model, &prompts, tokens)?;
+            println!(
+                "{preset:<8} {batch:>6} {:>10.1} {rate:>13.0} {:>9.2} {base:>16.0} {:>7.2}",
+                wall * 1e3,
+                wall * 1e3 / tokens as f64,
+                rate / base
+            );
+        }
+    }
+    println!();
+    println!("Baseline: greedy decoding that recomputes every sequence in full each step (no KV cache), same process.");
+    println!("Static batches (every sequence runs to the end); continuous batching comes with the engine (issue #4).");
+    Ok(())
+}
+
+/// Greedy decoding without a cache: a full forward of every sequence per new token.
+fn recompute_tokens_per_sec(model: &streamrl_model::Transformer, prompts: &[Vec<u32>], tokens: usize) -> Result<f64> {
+    let mut seqs: Vec<Vec<u32>> = prompts.to_vec();
+    let t0 = Instant::now();
+    for _ in 0..tokens {
+        let rows: Vec<Vec<Vec<u32>>> = seqs.iter().map(|s| vec![s.clone()]).collect();
+        let batch = Packed::new(&rows, &Device::Cpu)?;
+        let (logits, _) = model.forward(&batch)?;
+        let t = seqs[0].len();
+        let last = logits
+            .narrow(1, t - 1, 1)?
+            .squeeze(1)?
+            .argmax(candle_core::D::Minus1)?
+            .to_vec1::<u32>()?;
+        for (s, tok) in seqs.iter_mut().zip(last) {
+            s.push(tok);
+        }
+    }
+    Ok((tokens * prompts.len()) as f64 / t0.elapsed().as_secs_f64())
 }
