@@ -37,6 +37,25 @@ struct Rig {
     cfg: RunnerConfig,
 }
 
+type StageTask = tokio::task::JoinHandle<streamrl_runtime::Result<()>>;
+
+impl Rig {
+    /// Runs `stage` on the rig's bus and config until `sd` triggers.
+    fn spawn(&self, stage: impl Stage + 'static, sd: &Shutdown) -> StageTask {
+        self.spawn_with(stage, sd, Arc::new(StageMetrics::default()))
+    }
+
+    fn spawn_with(&self, stage: impl Stage + 'static, sd: &Shutdown, metrics: Arc<StageMetrics>) -> StageTask {
+        tokio::spawn(run_stage(
+            self.bus.clone(),
+            self.cfg.clone(),
+            Box::new(stage),
+            sd.clone(),
+            metrics,
+        ))
+    }
+}
+
 async fn rig(out_key: Option<&str>) -> Rig {
     let bus = bus::connect(&common::unique("memory://runtime")).await.unwrap();
     for (t, p) in [("in", 1), ("out", 4), ("dlq", 1)] {
@@ -110,13 +129,7 @@ async fn transient_errors_are_retried_and_outputs_are_delivered_once() {
         error: || StageError::transient("server busy"),
     };
     let (sd, m) = (Shutdown::new(), Arc::new(StageMetrics::default()));
-    let task = tokio::spawn(run_stage(
-        r.bus.clone(),
-        r.cfg.clone(),
-        Box::new(stage),
-        sd.clone(),
-        m.clone(),
-    ));
+    let task = r.spawn_with(stage, &sd, m.clone());
     let mut out = r.bus.subscribe("check", &["out".into()]).await.unwrap();
     send(&r.bus, &rows(&["a"]), None).await;
     next(&mut out).await;
@@ -140,13 +153,7 @@ async fn an_internal_error_stops_the_stage_and_the_input_is_redelivered() {
         fail_times: 1,
         error: || StageError::internal("invariant broken"),
     };
-    let task = tokio::spawn(run_stage(
-        r.bus.clone(),
-        r.cfg.clone(),
-        Box::new(stage),
-        Shutdown::new(),
-        Arc::new(StageMetrics::default()),
-    ));
+    let task = r.spawn(stage, &Shutdown::new());
     send(&r.bus, &rows(&["a"]), None).await;
     let err = tokio::time::timeout(Duration::from_secs(10), task)
         .await
@@ -166,13 +173,7 @@ async fn an_internal_error_stops_the_stage_and_the_input_is_redelivered() {
         error: || StageError::internal("x"),
     };
     let sd = Shutdown::new();
-    let task = tokio::spawn(run_stage(
-        r.bus.clone(),
-        r.cfg.clone(),
-        Box::new(stage),
-        sd.clone(),
-        Arc::new(StageMetrics::default()),
-    ));
+    let task = r.spawn(stage, &sd);
     let mut out = r.bus.subscribe("check", &["out".into()]).await.unwrap();
     next(&mut out).await;
     assert_eq!(calls.load(Ordering::SeqCst), 1);
@@ -199,13 +200,7 @@ impl Stage for Forward {
 async fn outputs_are_split_by_key_and_carry_trace_and_version() {
     let r = rig(Some("name")).await;
     let sd = Shutdown::new();
-    let task = tokio::spawn(run_stage(
-        r.bus.clone(),
-        r.cfg.clone(),
-        Box::new(Forward),
-        sd.clone(),
-        Arc::new(StageMetrics::default()),
-    ));
+    let task = r.spawn(Forward, &sd);
     let mut out = r.bus.subscribe("check", &["out".into()]).await.unwrap();
     let tp = telemetry::new_traceparent();
     send(&r.bus, &rows(&["g1", "g2", "g1", "g3", "g2"]), Some(&tp)).await;
@@ -299,13 +294,7 @@ async fn held_inputs_commit_on_release_and_state_survives_restart() {
     };
     let sd = Shutdown::new();
     let probe = Probe(Counter::default(), rows_seen.clone());
-    let task = tokio::spawn(run_stage(
-        r.bus.clone(),
-        r.cfg.clone(),
-        Box::new(probe),
-        sd.clone(),
-        Arc::new(StageMetrics::default()),
-    ));
+    let task = r.spawn(probe, &sd);
     for _ in 0..4 {
         send(&r.bus, &rows(&["a", "b"]), None).await;
     }
@@ -333,13 +322,7 @@ async fn held_inputs_commit_on_release_and_state_survives_restart() {
     *rows_seen.lock().unwrap() = 0;
     let sd = Shutdown::new();
     let probe = Probe(Counter::default(), rows_seen.clone());
-    let task = tokio::spawn(run_stage(
-        r.bus.clone(),
-        r.cfg.clone(),
-        Box::new(probe),
-        sd.clone(),
-        Arc::new(StageMetrics::default()),
-    ));
+    let task = r.spawn(probe, &sd);
     send(&r.bus, &rows(&["c", "d"]), None).await;
     wait_rows(12).await;
     sd.trigger();
