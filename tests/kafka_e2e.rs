@@ -248,3 +248,106 @@ async fn replay_to_kafka_and_read_it_with_kcat_and_pyarrow() {
     assert!(text.starts_with("4 g"), "{text}");
     assert!(text.trim().ends_with("list<item: float not null>"), "{text}");
 }
+
+/// An OTLP/HTTP sink on 127.0.0.1: records `METHOD path content-type bytes` per request.
+fn otlp_sink(log: &Path) -> (std::process::Child, u16) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let script = r#"
+import sys, http.server
+log = open(sys.argv[2], "a", buffering=1)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        n = int(self.headers.get("content-length", 0))
+        self.rfile.read(n)
+        log.write(f"POST {self.path} {self.headers.get('content-type')} {n}\n")
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"#;
+    let child = Command::new("python3")
+        .args(["-c", script, &port.to_string()])
+        .arg(log)
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(std::time::Instant::now() < deadline, "OTLP sink did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (child, port)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stage_spans_are_exported_over_otlp() {
+    let url = common::kafka_url();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("otlp.log");
+    let (mut sink, port) = otlp_sink(&log);
+    let topic = common::unique("metrics");
+    let topo = topology(dir.path(), &topic, 1);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_streamrl"))
+        .args(["stage", "archive", "--bus", &url, "--topology"])
+        .arg(&topo)
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://127.0.0.1:{port}"))
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let bus = bus::connect(&url).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !bus.topics().await.unwrap().contains(&topic) {
+        assert!(tokio::time::Instant::now() < deadline, "stage never created its topics");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let p = bus.producer("otlp").await.unwrap();
+    for i in 0..3 {
+        let payload = codec::encode(&MetricRow::to_batch(&[metric(i)]).unwrap(), Compression::Zstd).unwrap();
+        let rec = Record::new(payload)
+            .with_key(format!("k{i}"))
+            .with_headers(Headers::data(SchemaId::Metrics, "t").to_wire());
+        p.send(&topic, rec).await.unwrap().await.unwrap();
+    }
+    // flush_rows 1: every input is committed once processed (inside its span).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let stats = bus.topic_stats(&topic, &["archive".to_string()]).await.unwrap();
+        if stats.iter().map(|s| s.committed[0].1.unwrap_or(0)).sum::<u64>() == 3 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "archive did not process the inputs"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success(), "stage exit {status:?}");
+    // The batch exporter flushes at shutdown.
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let _ = sink.kill();
+    let posts: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("POST /v1/traces application/x-protobuf"))
+        .collect();
+    assert!(!posts.is_empty(), "no spans reached the OTLP sink:\n{text}");
+    let bytes: usize = posts
+        .iter()
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<usize>().ok())
+        .sum();
+    assert!(bytes > 100, "span payloads are empty: {text}");
+}
