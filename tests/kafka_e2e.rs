@@ -25,6 +25,30 @@ fn metric(i: u64) -> MetricRow {
     }
 }
 
+/// Waits until the stage process has created `topic`, then sends `n` one-row metric
+/// messages `metric(0..n)`, each awaited.
+async fn send_metrics_when_ready(bus: &std::sync::Arc<dyn bus::Bus>, topic: &str, n: u64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !bus.topics().await.unwrap().iter().any(|t| t == topic) {
+        assert!(tokio::time::Instant::now() < deadline, "stage never created its topics");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let p = bus.producer("e2e").await.unwrap();
+    for i in 0..n {
+        let payload = codec::encode(&MetricRow::to_batch(&[metric(i)]).unwrap(), Compression::Zstd).unwrap();
+        let rec = Record::new(payload)
+            .with_key(format!("k{i}"))
+            .with_headers(Headers::data(SchemaId::Metrics, "e2e").to_wire());
+        p.send(topic, rec).await.unwrap().await.unwrap();
+    }
+}
+
+/// Offsets the `archive` group has committed on `topic`, summed over partitions.
+async fn archive_committed(bus: &std::sync::Arc<dyn bus::Bus>, topic: &str) -> u64 {
+    let stats = bus.topic_stats(topic, &["archive".to_string()]).await.unwrap();
+    stats.iter().map(|s| s.committed[0].1.unwrap_or(0)).sum()
+}
+
 fn topology(dir: &Path, metrics_topic: &str, flush_rows: usize) -> PathBuf {
     let path = dir.join("topology.yaml");
     let dl = format!("{metrics_topic}-dlq");
@@ -54,25 +78,9 @@ async fn stage_process_flushes_and_commits_on_sigterm() {
         .spawn()
         .unwrap();
     let bus = bus::connect(&url).await.unwrap();
-    // The stage creates its topics; wait until they exist.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !bus.topics().await.unwrap().contains(&topic) {
-        assert!(tokio::time::Instant::now() < deadline, "stage never created its topics");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let p = bus.producer("e2e").await.unwrap();
-    for i in 0..10 {
-        let payload = codec::encode(&MetricRow::to_batch(&[metric(i)]).unwrap(), Compression::Zstd).unwrap();
-        let rec = Record::new(payload)
-            .with_key(format!("k{i}"))
-            .with_headers(Headers::data(SchemaId::Metrics, "e2e").to_wire());
-        p.send(&topic, rec).await.unwrap().await.unwrap();
-    }
+    send_metrics_when_ready(&bus, &topic, 10).await;
     // flush_rows 4: 8 rows reach disk and are committed; 2 stay held (unacknowledged).
-    let committed = || async {
-        let stats = bus.topic_stats(&topic, &["archive".to_string()]).await.unwrap();
-        stats.iter().map(|s| s.committed[0].1.unwrap_or(0)).sum::<u64>()
-    };
+    let committed = || archive_committed(&bus, &topic);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while committed().await < 8 {
         assert!(
@@ -296,28 +304,15 @@ async fn stage_spans_are_exported_over_otlp() {
         .args(["stage", "archive", "--bus", &url, "--topology"])
         .arg(&topo)
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://127.0.0.1:{port}"))
-        .stderr(Stdio::piped())
+        .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let bus = bus::connect(&url).await.unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !bus.topics().await.unwrap().contains(&topic) {
-        assert!(tokio::time::Instant::now() < deadline, "stage never created its topics");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let p = bus.producer("otlp").await.unwrap();
-    for i in 0..3 {
-        let payload = codec::encode(&MetricRow::to_batch(&[metric(i)]).unwrap(), Compression::Zstd).unwrap();
-        let rec = Record::new(payload)
-            .with_key(format!("k{i}"))
-            .with_headers(Headers::data(SchemaId::Metrics, "t").to_wire());
-        p.send(&topic, rec).await.unwrap().await.unwrap();
-    }
+    send_metrics_when_ready(&bus, &topic, 3).await;
     // flush_rows 1: every input is committed once processed (inside its span).
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
-        let stats = bus.topic_stats(&topic, &["archive".to_string()]).await.unwrap();
-        if stats.iter().map(|s| s.committed[0].1.unwrap_or(0)).sum::<u64>() == 3 {
+        if archive_committed(&bus, &topic).await == 3 {
             break;
         }
         assert!(
