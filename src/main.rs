@@ -7,7 +7,9 @@
 mod bench;
 mod bench_train;
 mod model_cmd;
+mod progress;
 mod stages;
+mod train_cmd;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -120,6 +122,10 @@ enum Command {
         #[arg(short, long, default_value = "topology.yaml")]
         topology: PathBuf,
     },
+    /// Supervised warm start on an environment's reference solutions.
+    Sft(train_cmd::SftArgs),
+    /// Greedy accuracy and pass@k of a checkpoint on an environment's held-out split.
+    Eval(train_cmd::EvalArgs),
     /// Create and inspect policy checkpoints.
     Model {
         #[command(subcommand)]
@@ -133,13 +139,20 @@ enum Command {
 }
 
 fn load(path: &std::path::Path) -> Result<Topology> {
-    Topology::load(path, &stages::check_config).map_err(|errs| {
+    let report = |errs: Vec<String>| {
         let mut msg = format!("{} has {} problem(s):", path.display(), errs.len());
         for e in &errs {
             msg.push_str(&format!("\n  {e}"));
         }
         anyhow::anyhow!(msg)
-    })
+    };
+    let t = Topology::load(path, &stages::check_config)
+        .map_err(|errs| report(errs.iter().map(ToString::to_string).collect()))?;
+    let env_errs = stages::check_envs(&t);
+    if !env_errs.is_empty() {
+        return Err(report(env_errs));
+    }
+    Ok(t)
 }
 
 #[tokio::main]
@@ -163,6 +176,8 @@ async fn main() -> std::process::ExitCode {
 
 async fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Sft(a) => tokio::task::block_in_place(|| train_cmd::sft(a)),
+        Command::Eval(a) => tokio::task::block_in_place(|| train_cmd::eval(a)),
         Command::Validate { topology } => {
             let t = load(&topology)?;
             println!(
@@ -196,6 +211,8 @@ async fn dispatch(cli: Cli) -> Result<()> {
             if let Some(b) = bus {
                 t.bus = b;
             }
+            let sft = t.sft.clone();
+            tokio::task::block_in_place(|| train_cmd::sft_from_topology(&sft, &topology))?;
             run_all(t).await
         }
         Command::Stage {
@@ -350,44 +367,91 @@ async fn create_topics(bus: &Arc<dyn bus::Bus>, t: &Topology) -> Result<()> {
 
 /// Every replica of every stage, in this process; the first failure stops them all.
 async fn run_all(t: Topology) -> Result<()> {
+    use streamrl_runtime::topology::StageKind;
     let missing = stages::unbuilt(&t);
     if !missing.is_empty() {
-        bail!(
-            "this build cannot run the pipeline yet: stage kind(s) {} are not implemented (they land with issues #3-#6); \
-             `streamrl validate` checks the topology, and `streamrl stage archive` runs the archive alone",
-            missing.join(", ")
-        );
+        bail!("this build lacks stage kind(s) {}", missing.join(", "));
     }
     let bus = bus::connect(&t.bus).await?;
     create_topics(&bus, &t).await?;
-    let shutdown = Shutdown::new();
-    shutdown.on_signals();
+    // The pipeline stops first (at max_steps or a signal); the archive keeps consuming
+    // until it has caught up with every topic, so the Parquet files hold the whole run.
+    let pipeline = Shutdown::new();
+    pipeline.on_signals();
+    let archive = Shutdown::new();
     let mut tasks = tokio::task::JoinSet::new();
+    let mut archives = tokio::task::JoinSet::new();
     let mut all_metrics = Vec::new();
+    // Build every stage first (loading models is the slow part), then start them together.
+    let mut built = Vec::new();
     for (name, decl) in &t.stages {
         for r in 0..decl.replicas {
-            let stage = stages::build(&t, name, r)?;
             let cfg = t.runner_config(name, r).expect("stage exists");
-            let m = Arc::new(StageMetrics::default());
-            all_metrics.push((cfg.instance(), m.clone()));
-            let (bus, sd) = (bus.clone(), shutdown.clone());
-            tasks.spawn(async move { run_stage(bus, cfg, stage, sd, m).await });
+            built.push((decl.kind, stages::build(&t, name, r)?, cfg));
+        }
+    }
+    let watcher = progress::Watcher::start(&bus, &t, pipeline.clone()).await?;
+    for (kind, stage, cfg) in built {
+        let m = Arc::new(StageMetrics::default());
+        all_metrics.push((cfg.instance(), m.clone()));
+        let is_archive = kind == StageKind::Archive;
+        let sd = if is_archive { archive.clone() } else { pipeline.clone() };
+        let bus = bus.clone();
+        let task = async move { run_stage(bus, cfg, stage, sd, m).await };
+        if is_archive {
+            archives.spawn(task);
+        } else {
+            tasks.spawn(task);
         }
     }
     let mut first_err = None;
+    let join = |r: std::result::Result<streamrl_runtime::Result<()>, tokio::task::JoinError>| {
+        r.map_err(anyhow::Error::from)
+            .and_then(|r| r.map_err(anyhow::Error::from))
+    };
     while let Some(r) = tasks.join_next().await {
-        let r = r
-            .map_err(anyhow::Error::from)
-            .and_then(|r| r.map_err(anyhow::Error::from));
-        if let Err(e) = r {
-            shutdown.trigger();
+        if let Err(e) = join(r) {
+            pipeline.trigger();
             first_err.get_or_insert(e);
         }
     }
+    pipeline.trigger();
+    drain_archives(&bus, &t).await;
+    archive.trigger();
+    while let Some(r) = archives.join_next().await {
+        if let Err(e) = join(r) {
+            first_err.get_or_insert(e);
+        }
+    }
+    let summary = watcher.finish().await;
     print_metrics(&all_metrics);
+    summary.print();
     match first_err {
         Some(e) => Err(e),
         None => Ok(()),
+    }
+}
+
+/// Waits (up to 60 s) until every archive stage has committed every record of its topics.
+async fn drain_archives(bus: &Arc<dyn bus::Bus>, t: &Topology) {
+    use streamrl_runtime::topology::StageKind;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    for (name, decl) in t.stages.iter().filter(|(_, d)| d.kind == StageKind::Archive) {
+        for topic in &decl.inputs {
+            loop {
+                let lag: u64 = match bus.topic_stats(topic, std::slice::from_ref(name)).await {
+                    Ok(parts) => parts.iter().map(|p| p.lag(name).unwrap_or(0)).sum(),
+                    Err(_) => 0,
+                };
+                if lag == 0 || std::time::Instant::now() > deadline {
+                    if lag > 0 {
+                        eprintln!("warning: archive `{name}` still {lag} record(s) behind on `{topic}` at shutdown");
+                    }
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        }
     }
 }
 

@@ -1,22 +1,31 @@
 //! Building stages from the topology: one exhaustive `match` on the stage kind, so a kind
 //! that is declared but not wired does not compile.
 
+use std::sync::Arc;
+
 use anyhow::{Result, anyhow};
 use serde_yaml::Value;
 use streamrl_archive::{ArchiveConfig, ArchiveStage};
 use streamrl_runtime::Stage;
 use streamrl_runtime::topology::{StageKind, Topology};
+use streamrl_stages::mask::{MaskConfig, MaskStage};
+use streamrl_stages::reward::{RewardConfig, RewardStage};
+use streamrl_stages::rollout::{RolloutConfig, RolloutStage};
+use streamrl_stages::sandbox::{SandboxConfig, SandboxStage};
+use streamrl_stages::source::{SourceConfig, SourceStage};
+use streamrl_stages::trainer::{TrainerConfig, TrainerStage};
+use streamrl_stages::{Ctx, parse_config};
 
 /// Whether this build has an implementation of `kind`.
 pub fn is_built(kind: StageKind) -> bool {
     match kind {
-        StageKind::Archive => true,
-        StageKind::Source
+        StageKind::Archive
+        | StageKind::Source
         | StageKind::Rollout
         | StageKind::Sandbox
         | StageKind::Reward
         | StageKind::Mask
-        | StageKind::Trainer => false,
+        | StageKind::Trainer => true,
     }
 }
 
@@ -29,52 +38,74 @@ pub fn unbuilt(t: &Topology) -> Vec<String> {
         .collect()
 }
 
-/// Validates a kind's `config` block, reporting every problem.
-pub fn check_config(kind: StageKind, config: &Value) -> Vec<String> {
-    match kind {
-        StageKind::Archive => match parse::<ArchiveConfig>(config) {
-            Ok(c) => c.problems(),
-            Err(e) => vec![e],
-        },
-        StageKind::Source
-        | StageKind::Rollout
-        | StageKind::Sandbox
-        | StageKind::Reward
-        | StageKind::Mask
-        | StageKind::Trainer => match config {
-            Value::Null => vec![],
-            Value::Mapping(m) if m.is_empty() => vec![],
-            _ => vec![format!("stage kind `{kind}` has no configuration fields in this build")],
-        },
+fn problems<T: serde::de::DeserializeOwned + Default>(
+    config: &Value,
+    check: impl Fn(&T) -> Vec<String>,
+) -> Vec<String> {
+    match parse_config::<T>(config) {
+        Ok(c) => check(&c),
+        Err(e) => e,
     }
 }
 
-fn parse<T: serde::de::DeserializeOwned + Default>(v: &Value) -> std::result::Result<T, String> {
-    if v.is_null() {
-        Ok(T::default())
-    } else {
-        serde_yaml::from_value(v.clone()).map_err(|e| e.to_string())
+/// Validates a kind's `config` block, reporting every problem.
+pub fn check_config(kind: StageKind, config: &Value) -> Vec<String> {
+    match kind {
+        StageKind::Archive => problems::<ArchiveConfig>(config, ArchiveConfig::problems),
+        StageKind::Source => problems::<SourceConfig>(config, SourceConfig::problems),
+        StageKind::Rollout => problems::<RolloutConfig>(config, RolloutConfig::problems),
+        StageKind::Sandbox => problems::<SandboxConfig>(config, |_| vec![]),
+        StageKind::Reward => problems::<RewardConfig>(config, |_| vec![]),
+        StageKind::Mask => problems::<MaskConfig>(config, MaskConfig::problems),
+        StageKind::Trainer => problems::<TrainerConfig>(config, TrainerConfig::problems),
     }
+}
+
+/// Problems of the topology's `envs:` section.
+pub fn check_envs(t: &Topology) -> Vec<String> {
+    streamrl_stages::build_envs(&t.envs).err().unwrap_or_default()
 }
 
 /// Builds replica `replica` of stage `name` (expensive setup happens here, once).
 pub fn build(t: &Topology, name: &str, replica: u32) -> Result<Box<dyn Stage>> {
     let decl = t.stages.get(name).ok_or_else(|| anyhow!("no stage `{name}`"))?;
     let instance = format!("{name}-{replica}");
-    match decl.kind {
+    let fail = |p: Vec<String>| anyhow!("stages.{name}.config: {}", p.join("; "));
+    let ctx = || -> Result<Ctx> {
+        let envs = streamrl_stages::build_envs(&t.envs).map_err(|p| anyhow!("{}", p.join("; ")))?;
+        Ok(Ctx {
+            run_id: t.run_id.clone(),
+            run_dir: t.run_dir.clone(),
+            stage: name.to_string(),
+            replica,
+            outputs: decl
+                .outputs
+                .iter()
+                .filter_map(|o| t.topics.get(o).map(|d| (o.clone(), d.schema)))
+                .collect(),
+            envs: envs.map(Arc::new),
+        })
+    };
+    Ok(match decl.kind {
         StageKind::Archive => {
-            let cfg: ArchiveConfig = parse(&decl.config).map_err(|e| anyhow!("stages.{name}.config: {e}"))?;
-            let stage = ArchiveStage::build(cfg, &t.run_dir, &instance)
-                .map_err(|p| anyhow!("stages.{name}.config: {}", p.join("; ")))?;
-            Ok(Box::new(stage))
+            let cfg: ArchiveConfig = parse_config(&decl.config).map_err(fail)?;
+            Box::new(ArchiveStage::build(cfg, &t.run_dir, &instance).map_err(fail)?)
         }
-        kind @ (StageKind::Source
-        | StageKind::Rollout
-        | StageKind::Sandbox
-        | StageKind::Reward
-        | StageKind::Mask
-        | StageKind::Trainer) => Err(anyhow!(
-            "stage `{name}`: kind `{kind}` is not implemented in this build yet"
-        )),
-    }
+        StageKind::Source => {
+            Box::new(SourceStage::build(parse_config(&decl.config).map_err(fail)?, ctx()?).map_err(fail)?)
+        }
+        StageKind::Rollout => {
+            Box::new(RolloutStage::build(parse_config(&decl.config).map_err(fail)?, ctx()?).map_err(fail)?)
+        }
+        StageKind::Sandbox => {
+            Box::new(SandboxStage::build(parse_config(&decl.config).map_err(fail)?, ctx()?).map_err(fail)?)
+        }
+        StageKind::Reward => {
+            Box::new(RewardStage::build(parse_config(&decl.config).map_err(fail)?, ctx()?).map_err(fail)?)
+        }
+        StageKind::Mask => Box::new(MaskStage::build(parse_config(&decl.config).map_err(fail)?, ctx()?).map_err(fail)?),
+        StageKind::Trainer => {
+            Box::new(TrainerStage::build(parse_config(&decl.config).map_err(fail)?, ctx()?).map_err(fail)?)
+        }
+    })
 }

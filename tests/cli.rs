@@ -70,17 +70,6 @@ fn bad_urls_and_names_are_clear_errors() {
 }
 
 #[test]
-fn run_names_the_stage_kinds_this_build_lacks() {
-    // Until the RL stages land, `run` refuses to start a pipeline it cannot complete.
-    let (ok, _, err) = streamrl(&["run"]);
-    assert!(!ok);
-    assert!(
-        err.contains("trainer (trainer)") && err.contains("not implemented"),
-        "{err}"
-    );
-}
-
-#[test]
 fn model_init_writes_a_loadable_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("tiny");

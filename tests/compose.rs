@@ -39,7 +39,7 @@ fn compose_matches_the_topology() {
     let stage_services: Vec<String> = services
         .keys()
         .map(|k| k.as_str().unwrap().to_string())
-        .filter(|k| k != "broker")
+        .filter(|k| k != "broker" && k != "sft")
         .collect();
     let mut stages: Vec<String> = topo.stages.keys().cloned().collect();
     let mut got = stage_services.clone();
@@ -66,11 +66,17 @@ fn compose_matches_the_topology() {
             "{name} waits for broker"
         );
         assert_eq!(
+            s["depends_on"]["sft"]["condition"].as_str(),
+            Some("service_completed_successfully"),
+            "{name} waits for the SFT warm start"
+        );
+        assert_eq!(
             s["environment"]["STREAMRL_BUS"].as_str(),
             Some("kafka://broker:9092"),
             "{name} bus"
         );
     }
+    assert_eq!(compose["services"]["sft"]["command"][0].as_str(), Some("sft"));
     let dockerfile = std::fs::read_to_string(root.join("Dockerfile")).unwrap();
     assert_eq!(
         dockerfile.lines().filter(|l| l.starts_with("FROM ")).count(),

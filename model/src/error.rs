@@ -42,6 +42,9 @@ pub enum Error {
     /// Inputs of the wrong shape or length.
     #[error("{0}")]
     Shape(String),
+    /// A generation request is invalid; every problem is listed.
+    #[error("invalid request: {0}")]
+    Request(String),
 }
 
 impl Error {

@@ -20,6 +20,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod engine;
 mod error;
 pub mod generate;
 pub mod gguf;

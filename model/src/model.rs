@@ -181,7 +181,7 @@ impl Attention {
         positions: &Tensor,
         mask: &Tensor,
         rope: &Rope,
-        cache: Option<&mut candle_nn::kv_cache::KvCache>,
+        cache: LayerCache<'_>,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let heads = |y: Tensor, n: usize| y.reshape((b, t, n, self.hd))?.transpose(1, 2);
@@ -195,8 +195,39 @@ impl Attention {
         let q = rope.apply(&q.contiguous()?, positions)?;
         let k = rope.apply(&k.contiguous()?, positions)?;
         let (k, v) = match cache {
-            Some(c) => c.append(&k.contiguous()?, &v)?,
-            None => (k, v),
+            LayerCache::None => (k, v),
+            LayerCache::Shared(c) => c.append(&k.contiguous()?, &v)?,
+            LayerCache::Ragged { caches, new_lens } => {
+                // Each row appends its own new positions to its own cache; rows are then
+                // zero-padded to the longest and the caller's mask hides the padding.
+                let k = k.contiguous()?;
+                let (mut ks, mut vs) = (Vec::with_capacity(b), Vec::with_capacity(b));
+                for (r, c) in caches.into_iter().enumerate() {
+                    let n = new_lens[r];
+                    let kr = k.narrow(0, r, 1)?.narrow(2, 0, n)?.contiguous()?;
+                    let vr = v.narrow(0, r, 1)?.narrow(2, 0, n)?.contiguous()?;
+                    let (kf, vf) = c.append(&kr, &vr)?;
+                    ks.push(kf);
+                    vs.push(vf);
+                }
+                let s = ks.iter().map(|t| t.dim(2)).collect::<candle_core::Result<Vec<_>>>()?;
+                let max = s.iter().copied().max().unwrap_or(0);
+                let pad = |ts: Vec<Tensor>| -> Result<Tensor> {
+                    let ts = ts
+                        .into_iter()
+                        .zip(&s)
+                        .map(|(t, &l)| {
+                            if l == max {
+                                Ok(t)
+                            } else {
+                                t.pad_with_zeros(2, 0, max - l)
+                            }
+                        })
+                        .collect::<candle_core::Result<Vec<_>>>()?;
+                    Ok(Tensor::cat(&ts, 0)?)
+                };
+                (pad(ks)?, pad(vs)?)
+            }
         };
         let rep = self.n_heads / self.n_kv;
         let expand = |y: Tensor| -> Result<Tensor> {
@@ -388,7 +419,7 @@ impl Block {
         positions: &Tensor,
         mask: &Tensor,
         rope: &Rope,
-        cache: Option<&mut candle_nn::kv_cache::KvCache>,
+        cache: LayerCache<'_>,
         aux: &mut Vec<(Tensor, MoeStats)>,
     ) -> Result<Tensor> {
         let h = (x + self
@@ -472,7 +503,7 @@ impl Transformer {
         tokens: &Tensor,
         positions: &Tensor,
         mask: &Tensor,
-        mut cache: Option<&mut KvCache>,
+        mut cache: CacheArg<'_, '_>,
     ) -> Result<(Tensor, Aux)> {
         let (b, t) = tokens.dims2()?;
         let max_pos = positions.max_all()?.to_scalar::<u32>()? as usize;
@@ -488,7 +519,14 @@ impl Transformer {
             .reshape((b, t, self.cfg.d_model))?;
         let mut aux = Vec::new();
         for (i, blk) in self.blocks.iter().enumerate() {
-            let c = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let c = match &mut cache {
+                CacheArg::None => LayerCache::None,
+                CacheArg::Shared(c) => LayerCache::Shared(&mut c.layers[i]),
+                CacheArg::Ragged(cs, lens) => LayerCache::Ragged {
+                    caches: cs.iter_mut().map(|c| &mut c.layers[i]).collect(),
+                    new_lens: lens,
+                },
+            };
             x = blk.forward(&x, positions, mask, &self.rope, c, &mut aux)?;
         }
         let x = self.norm.forward(&x)?;
@@ -510,7 +548,7 @@ impl Transformer {
 
     /// Training forward over a packed batch: logits (B, T, V) plus MoE auxiliaries.
     pub fn forward(&self, batch: &Packed) -> Result<(Tensor, Aux)> {
-        self.run(&batch.tokens, &batch.positions, &batch.mask, None)
+        self.run(&batch.tokens, &batch.positions, &batch.mask, CacheArg::None)
     }
 
     /// Inference forward of `tokens` (B, t) at `positions`, appending their keys and values
@@ -522,7 +560,32 @@ impl Transformer {
         mask: &Tensor,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        Ok(self.run(tokens, positions, mask, Some(cache))?.0)
+        Ok(self.run(tokens, positions, mask, CacheArg::Shared(cache))?.0)
+    }
+
+    /// Inference forward of a ragged batch: row `r` of `tokens` (B, t) holds
+    /// `new_lens[r]` new tokens (right-padded to t) of a sequence whose keys and values so
+    /// far are in `caches[r]`; each row's new keys and values are appended to its own
+    /// cache. `mask` is additive (B, 1, t, S) with S the longest cache after appending;
+    /// row r may attend only to key positions `< caches[r].len()` (after appending). This
+    /// is what lets sequences of different lengths join and leave a running batch.
+    pub fn forward_ragged(
+        &self,
+        tokens: &Tensor,
+        positions: &Tensor,
+        mask: &Tensor,
+        caches: &mut [&mut KvCache],
+        new_lens: &[usize],
+    ) -> Result<Tensor> {
+        let b = tokens.dim(0)?;
+        if caches.len() != b || new_lens.len() != b {
+            return Err(Error::Shape(format!(
+                "ragged forward of {b} rows got {} caches and {} lengths",
+                caches.len(),
+                new_lens.len()
+            )));
+        }
+        Ok(self.run(tokens, positions, mask, CacheArg::Ragged(caches, new_lens))?.0)
     }
 
     /// A preallocated key/value cache for `max_len` positions.
@@ -533,6 +596,23 @@ impl Transformer {
                 .collect(),
         }
     }
+}
+
+/// How one forward uses key/value caches.
+enum CacheArg<'a, 'b> {
+    None,
+    Shared(&'a mut KvCache),
+    Ragged(&'a mut [&'b mut KvCache], &'a [usize]),
+}
+
+/// One layer's view of [`CacheArg`].
+enum LayerCache<'a> {
+    None,
+    Shared(&'a mut candle_nn::kv_cache::KvCache),
+    Ragged {
+        caches: Vec<&'a mut candle_nn::kv_cache::KvCache>,
+        new_lens: &'a [usize],
+    },
 }
 
 /// Per-layer key/value caches, preallocated (grown in place, never re-concatenated).

@@ -223,7 +223,7 @@ pub async fn run_stage(
         traceparent: None,
     };
     let mut out = Emitter::default();
-    let mut held: Vec<crate::bus::MessageId> = Vec::new();
+    let mut held: Vec<(Option<String>, crate::bus::MessageId)> = Vec::new();
     let state_file = cfg
         .state_dir
         .as_ref()
@@ -297,22 +297,36 @@ pub async fn run_stage(
     Ok(())
 }
 
-/// Acknowledges `input` unless the stage holds it, and on release everything held so far.
-/// Called only after the call's outputs are delivered.
+/// Acknowledges `input` unless the stage holds it, then whatever the stage released
+/// (everything held, or the inputs held under given keys). Called only after the call's
+/// outputs are delivered.
 fn settle(
     consumer: Option<&mut Box<dyn Consumer>>,
-    held: &mut Vec<crate::bus::MessageId>,
+    held: &mut Vec<(Option<String>, crate::bus::MessageId)>,
     input: Option<crate::bus::MessageId>,
-    (hold, release): (bool, bool),
+    flags: crate::stage::Settle,
 ) -> Result<()> {
     let Some(c) = consumer else { return Ok(()) };
     if let Some(id) = input {
-        if hold { held.push(id) } else { c.ack(&id)? }
+        match flags.hold {
+            Some(key) => held.push((key, id)),
+            None => c.ack(&id)?,
+        }
     }
-    if release {
-        for h in held.drain(..) {
+    if flags.release_all {
+        for (_, h) in held.drain(..) {
             c.ack(&h)?;
         }
+    } else if !flags.release_keys.is_empty() {
+        let mut keep = Vec::with_capacity(held.len());
+        for (key, h) in held.drain(..) {
+            if key.as_ref().is_some_and(|k| flags.release_keys.contains(k)) {
+                c.ack(&h)?;
+            } else {
+                keep.push((key, h));
+            }
+        }
+        *held = keep;
     }
     Ok(())
 }

@@ -26,14 +26,40 @@ pub struct Input {
     pub batch: RecordBatch,
 }
 
+impl Input {
+    /// An input as the runtime would hand it over (partition and offset 0, data headers).
+    pub fn new(topic: impl Into<String>, schema: SchemaId, batch: RecordBatch) -> Self {
+        Input {
+            topic: topic.into(),
+            schema,
+            partition: 0,
+            offset: 0,
+            headers: Headers::data(schema, "test"),
+            batch,
+        }
+    }
+}
+
 /// Where a stage puts its outputs. The runtime delivers them, and acknowledges the input
 /// only after every output is delivered.
 #[derive(Debug, Default)]
 pub struct Emitter {
     pub(crate) outputs: Vec<Emitted>,
     pub(crate) policy_version: Option<u32>,
-    pub(crate) hold: bool,
+    pub(crate) hold: Option<Option<String>>,
     pub(crate) release: bool,
+    pub(crate) release_keys: Vec<String>,
+}
+
+/// What [`Emitter`] asks the runtime to do with the current and held inputs.
+#[derive(Debug, Default)]
+pub(crate) struct Settle {
+    /// Hold the current input, under this key if any.
+    pub hold: Option<Option<String>>,
+    /// Acknowledge every held input.
+    pub release_all: bool,
+    /// Acknowledge the inputs held under these keys.
+    pub release_keys: Vec<String>,
 }
 
 #[derive(Debug)]
@@ -72,13 +98,52 @@ impl Emitter {
     /// inputs are acknowledged at the next [`release_held`](Emitter::release_held); if the
     /// stage dies first, they are delivered again.
     pub fn hold(&mut self) {
-        self.hold = true;
+        self.hold = Some(None);
+    }
+
+    /// Like [`hold`](Emitter::hold), but under `key`, so the input can be acknowledged on
+    /// its own with [`release`](Emitter::release) while others stay held (a rollout
+    /// stage holds each prompt until its whole group has been emitted).
+    pub fn hold_as(&mut self, key: impl Into<String>) {
+        self.hold = Some(Some(key.into()));
+    }
+
+    /// Acknowledges the inputs held under `key` once this call's outputs are delivered.
+    pub fn release(&mut self, key: impl Into<String>) {
+        self.release_keys.push(key.into());
     }
 
     /// Everything held so far (and the current input) is now safe: acknowledge it once
     /// this call's outputs are delivered.
     pub fn release_held(&mut self) {
         self.release = true;
+    }
+
+    /// Takes the pending output batches (signals are dropped) — for driving a stage
+    /// outside the runtime, e.g. in tests.
+    pub fn drain(&mut self) -> Vec<(String, RecordBatch)> {
+        self.take()
+            .into_iter()
+            .filter_map(|e| match e {
+                Emitted::Batch { topic, batch } => Some((topic, batch)),
+                Emitted::Signal { .. } => None,
+            })
+            .collect()
+    }
+
+    /// Whether the current input is held, and under which key (`Some(None)`: unkeyed).
+    pub fn holding(&self) -> Option<Option<&str>> {
+        self.hold.as_ref().map(|k| k.as_deref())
+    }
+
+    /// Keys released by this call so far.
+    pub fn released(&self) -> &[String] {
+        &self.release_keys
+    }
+
+    /// Whether this call released every held input.
+    pub fn released_all(&self) -> bool {
+        self.release
     }
 
     /// Number of pending outputs.
@@ -91,8 +156,12 @@ impl Emitter {
         self.outputs.is_empty()
     }
 
-    pub(crate) fn take_flags(&mut self) -> (bool, bool) {
-        (std::mem::take(&mut self.hold), std::mem::take(&mut self.release))
+    pub(crate) fn take_flags(&mut self) -> Settle {
+        Settle {
+            hold: self.hold.take(),
+            release_all: std::mem::take(&mut self.release),
+            release_keys: std::mem::take(&mut self.release_keys),
+        }
     }
 
     pub(crate) fn take(&mut self) -> Vec<Emitted> {

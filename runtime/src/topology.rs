@@ -256,12 +256,27 @@ pub struct Topology {
     pub topics: BTreeMap<String, TopicDecl>,
     /// Stages by name.
     pub stages: BTreeMap<String, StageDecl>,
+    /// Environments by name (`envs:`), each `{weight, config}`; read by the stages that
+    /// need them (source, rollout, sandbox, reward), which validate it. `Null` when absent.
+    pub envs: Value,
+    /// The supervised warm start `streamrl run` performs first (`sft:`), validated by the
+    /// binary. `Null` when absent.
+    pub sft: Value,
 }
 
 /// Validates a stage kind's `config` block; returns one message per problem.
 pub type ConfigCheck<'a> = &'a dyn Fn(StageKind, &Value) -> Vec<String>;
 
-const TOP_KEYS: [&str; 6] = ["bus", "run_id", "run_dir", "dead_letter", "topics", "stages"];
+const TOP_KEYS: [&str; 8] = [
+    "bus",
+    "run_id",
+    "run_dir",
+    "dead_letter",
+    "envs",
+    "sft",
+    "topics",
+    "stages",
+];
 
 impl Topology {
     /// Parses and validates YAML, collecting every problem.
@@ -481,6 +496,14 @@ impl Topology {
                 },
             );
         }
+        let envs = root.get("envs").cloned().unwrap_or(Value::Null);
+        if !(envs.is_null() || envs.is_mapping()) {
+            err(
+                &mut errs,
+                "envs".into(),
+                "expected a mapping of environment name to {weight, config}".into(),
+            );
+        }
         let topo = Topology {
             bus,
             run_id,
@@ -488,6 +511,8 @@ impl Topology {
             dead_letter,
             topics,
             stages,
+            envs,
+            sft: root.get("sft").cloned().unwrap_or(Value::Null),
         };
         errs.extend(topo.check_cycles());
         if errs.is_empty() { Ok(topo) } else { Err(errs) }

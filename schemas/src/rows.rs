@@ -122,6 +122,8 @@ macro_rules! trajectory_row {
             pub step: u64,
             /// Index of the sample within its group.
             pub sample_index: u32,
+            /// Samples in the group.
+            pub group_size: u32,
             /// Turn index, from 0.
             pub turn: u32,
             /// Rendered prompt text.
@@ -398,6 +400,7 @@ pub(crate) mod tests {
             env: "arith".into(),
             step: 7,
             sample_index: i % 4,
+            group_size: 4,
             turn: 0,
             prompt: "2+2=".into(),
             prompt_token_ids: vec![1, 2, 3],
@@ -462,6 +465,7 @@ pub(crate) mod tests {
             env: r.env.clone(),
             step: r.step,
             sample_index: r.sample_index,
+            group_size: r.group_size,
             turn: r.turn,
             prompt: r.prompt.clone(),
             prompt_token_ids: r.prompt_token_ids.clone(),
@@ -489,6 +493,7 @@ pub(crate) mod tests {
             env: r.env.clone(),
             step: r.step,
             sample_index: r.sample_index,
+            group_size: r.group_size,
             turn: r.turn,
             prompt: r.prompt.clone(),
             prompt_token_ids: r.prompt_token_ids.clone(),
@@ -538,6 +543,7 @@ pub(crate) mod tests {
             env: "code".into(),
             step: 0,
             sample_index: 0,
+            group_size: 1,
             turn: 1,
             prompt: String::new(),
             prompt_token_ids: vec![],

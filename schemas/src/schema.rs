@@ -205,6 +205,7 @@ fn trajectory_fields() -> Vec<Field> {
         utf8(f::ENV),
         u64f(f::STEP),
         u32f(f::SAMPLE_INDEX),
+        u32f(f::GROUP_SIZE),
         u32f(f::TURN),
         utf8(f::PROMPT),
         list(f::PROMPT_TOKEN_IDS, DataType::UInt32),

@@ -174,6 +174,7 @@ pub fn rollout(i: u32) -> streamrl_schemas::RolloutRow {
         env: "arith".into(),
         step: (i / 8) as u64,
         sample_index: i % 4,
+        group_size: 4,
         turn: 0,
         prompt: format!("{i}+1="),
         prompt_token_ids: vec![i, 1, 2],

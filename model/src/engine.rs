@@ -1,0 +1,713 @@
+//! The continuous-batching generation engine shared by the rollout stage and `streamrl
+//! serve`.
+//!
+//! Every [`step`](Engine::step) admits waiting requests (up to `max_num_seqs` running and
+//! a KV-cache token budget), prefills the newcomers in one ragged forward, runs one decode
+//! step for every running sequence, and retires finished sequences at once: sequences join
+//! and leave the batch at every step. Each sequence owns its KV cache, so the batch is
+//! ragged; rows are padded only inside attention.
+//!
+//! Every generated token carries its logprob under the temperature-scaled distribution
+//! (`log_softmax(logits / T)`, full vocabulary, before top-k/top-p truncation; greedy
+//! reports T = 1) and the policy version that produced it. [`Engine::swap`] and
+//! [`Engine::load_weights`] replace the weights *between* steps without touching running
+//! sequences: their next tokens come from the new weights and carry the new version.
+//!
+//! ```
+//! use streamrl_model::engine::{Engine, EngineConfig, SamplingParams};
+//! use streamrl_model::{checkpoint, config, Tokenizer};
+//!
+//! let tok = Tokenizer::char_level();
+//! let hf = config::preset("tiny", tok.vocab_size()).unwrap();
+//! let model = checkpoint::init(&hf, &candle_core::Device::Cpu).unwrap().model;
+//! let mut engine = Engine::new(model, 0, Some(tok.clone()), EngineConfig::default());
+//! let id = engine.add(tok.encode("12+7=").unwrap(), SamplingParams { max_tokens: 4, ..Default::default() }).unwrap();
+//! let done = engine.run_to_completion().unwrap();
+//! assert_eq!(done[0].id, id);
+//! assert_eq!(done[0].tokens.len(), done[0].logprobs.len());
+//! ```
+
+use std::collections::VecDeque;
+use std::path::Path;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use candle_core::Tensor;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::model::{KvCache, MASKED};
+use crate::{Error, Result, Tokenizer, Transformer, checkpoint};
+
+/// Scheduler limits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// Sequences decoded together at most.
+    pub max_num_seqs: usize,
+    /// Cached tokens (prompt + generated) over all running sequences at most; a request
+    /// is admitted only if its prompt plus `max_tokens` fits next to the running ones.
+    pub max_kv_tokens: usize,
+    /// Prompt tokens prefilled in one step at most (at least one request is always
+    /// admitted when the batch has room).
+    pub max_prefill_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_num_seqs: 64,
+            max_kv_tokens: 1 << 20,
+            max_prefill_tokens: 8192,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Every invalid value.
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.max_num_seqs == 0 {
+            p.push("max_num_seqs must be at least 1".into());
+        }
+        if self.max_kv_tokens == 0 {
+            p.push("max_kv_tokens must be at least 1".into());
+        }
+        if self.max_prefill_tokens == 0 {
+            p.push("max_prefill_tokens must be at least 1".into());
+        }
+        p
+    }
+}
+
+/// Per-request sampling.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Temperature; 0 is greedy.
+    pub temperature: f32,
+    /// Nucleus sampling mass (1.0: off).
+    pub top_p: f32,
+    /// Keep only the k most likely tokens (0: off).
+    pub top_k: usize,
+    /// RNG seed; requests with the same seed and prompt sample the same tokens whatever
+    /// else is in the batch.
+    pub seed: u64,
+    /// New tokens at most.
+    pub max_tokens: usize,
+    /// Stop when the text contains one of these (excluded from `text`).
+    pub stop: Vec<String>,
+    /// Stop when the text contains one of these; `finish_reason` is `tool_call` and the
+    /// marker stays in `text`.
+    pub tool_call_stop: Vec<String>,
+    /// Stop at these token ids (kept in `tokens`).
+    pub stop_token_ids: Vec<u32>,
+    /// Do not stop at the tokenizer's end-of-sequence token.
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+            max_tokens: 64,
+            stop: Vec::new(),
+            tool_call_stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Every invalid value.
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            p.push(format!("temperature {} must be a finite number ≥ 0", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            p.push(format!("top_p {} must be in (0, 1]", self.top_p));
+        }
+        if self.max_tokens == 0 {
+            p.push("max_tokens must be at least 1".into());
+        }
+        if self.stop.iter().chain(&self.tool_call_stop).any(String::is_empty) {
+            p.push("stop strings must not be empty".into());
+        }
+        p
+    }
+}
+
+/// Why a sequence finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop string, stop token or end-of-sequence.
+    Stop,
+    /// `max_tokens` (or the model's context) reached.
+    Length,
+    /// A tool-call marker appeared.
+    ToolCall,
+    /// Cancelled by the caller.
+    Cancelled,
+}
+
+impl FinishReason {
+    /// The name used in rows and in the OpenAI API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::ToolCall => "tool_call",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// A finished request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Output {
+    /// Request id from [`Engine::add`].
+    pub id: u64,
+    /// Prompt tokens.
+    pub prompt_len: usize,
+    /// Generated tokens.
+    pub tokens: Vec<u32>,
+    /// Logprob of each generated token (temperature-scaled distribution).
+    pub logprobs: Vec<f32>,
+    /// Policy version that produced each token.
+    pub versions: Vec<u32>,
+    /// Decoded completion (stop string removed), when the engine has a tokenizer.
+    pub text: String,
+    /// Why it finished.
+    pub finish_reason: FinishReason,
+    /// When it was added, ms since epoch.
+    pub queued_at: i64,
+    /// When its prefill ran, ms since epoch.
+    pub started_at: i64,
+    /// When it finished, ms since epoch.
+    pub finished_at: i64,
+}
+
+/// What a step produced.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A token was generated for request `id`.
+    Token {
+        /// Request id.
+        id: u64,
+        /// The token.
+        token: u32,
+        /// Its logprob.
+        logprob: f32,
+        /// Policy version that produced it.
+        version: u32,
+    },
+    /// Request finished.
+    Done(Output),
+}
+
+struct Seq {
+    id: u64,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    rng: StdRng,
+    cache: Option<KvCache>,
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+    versions: Vec<u32>,
+    text_len_checked: usize,
+    queued_at: i64,
+    started_at: i64,
+}
+
+impl Seq {
+    fn budget(&self) -> usize {
+        self.prompt.len() + self.params.max_tokens
+    }
+}
+
+/// Counters of what the engine did.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineStats {
+    /// Steps run.
+    pub steps: u64,
+    /// Tokens generated.
+    pub generated: u64,
+    /// Prompt tokens prefilled.
+    pub prefilled: u64,
+    /// Weight swaps.
+    pub swaps: u64,
+    /// Sum over decode steps of the batch size (mean batch = this / decode steps).
+    pub batch_rows: u64,
+    /// Decode forwards.
+    pub decode_steps: u64,
+}
+
+/// The continuous-batching engine. See the [module docs](self).
+pub struct Engine {
+    model: Transformer,
+    version: u32,
+    tokenizer: Option<Tokenizer>,
+    cfg: EngineConfig,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    next_id: u64,
+    stats: EngineStats,
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+impl Engine {
+    /// An engine serving `model` as policy `version`. Without a tokenizer, stop strings
+    /// are not checked and `text` is empty.
+    pub fn new(model: Transformer, version: u32, tokenizer: Option<Tokenizer>, cfg: EngineConfig) -> Self {
+        Engine {
+            model,
+            version,
+            tokenizer,
+            cfg,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 0,
+            stats: EngineStats::default(),
+        }
+    }
+
+    /// The policy version now serving.
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+
+    /// The model now serving.
+    pub fn model(&self) -> &Transformer {
+        &self.model
+    }
+
+    /// The tokenizer, if any.
+    pub fn tokenizer(&self) -> Option<&Tokenizer> {
+        self.tokenizer.as_ref()
+    }
+
+    /// What the engine did so far.
+    pub fn stats(&self) -> EngineStats {
+        self.stats
+    }
+
+    /// Requests waiting for admission.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Sequences in the running batch.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Whether a step would do anything.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Queues a request; returns its id. Invalid parameters, an empty prompt or one that
+    /// cannot fit the model's context are errors naming the values.
+    pub fn add(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<u64> {
+        let mut problems = params.problems();
+        if prompt.is_empty() {
+            problems.push("prompt is empty".into());
+        }
+        let ctx = self.model.config().max_positions;
+        if prompt.len() >= ctx {
+            problems.push(format!(
+                "prompt of {} tokens does not fit the model's context of {ctx}",
+                prompt.len()
+            ));
+        }
+        let vocab = self.model.config().vocab as u32;
+        if let Some(t) = prompt.iter().find(|t| **t >= vocab) {
+            problems.push(format!("prompt token {t} is outside the vocabulary of {vocab}"));
+        }
+        if prompt.len() + params.max_tokens.min(ctx) > self.cfg.max_kv_tokens {
+            problems.push(format!(
+                "prompt ({}) + max_tokens ({}) exceeds the engine's max_kv_tokens {}",
+                prompt.len(),
+                params.max_tokens,
+                self.cfg.max_kv_tokens
+            ));
+        }
+        if !problems.is_empty() {
+            return Err(Error::Request(problems.join("; ")));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.waiting.push_back(Seq {
+            id,
+            rng: StdRng::seed_from_u64(params.seed),
+            prompt,
+            params,
+            cache: None,
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            versions: Vec::new(),
+            text_len_checked: 0,
+            queued_at: now_ms(),
+            started_at: 0,
+        });
+        Ok(id)
+    }
+
+    /// Cancels a request; its output (tokens so far) comes back from the next step with
+    /// `finish_reason = cancelled`. Returns whether it was known.
+    pub fn cancel(&mut self, id: u64) -> Option<Output> {
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            let s = self.waiting.remove(i)?;
+            return Some(self.finish(s, FinishReason::Cancelled));
+        }
+        let i = self.running.iter().position(|s| s.id == id)?;
+        let s = self.running.remove(i);
+        Some(self.finish(s, FinishReason::Cancelled))
+    }
+
+    /// Replaces the weights between steps. The new model must have the same shape
+    /// (vocabulary, layers, heads): running sequences keep their caches.
+    pub fn swap(&mut self, model: Transformer, version: u32) -> Result<()> {
+        let (a, b) = (self.model.config(), model.config());
+        if (a.vocab, a.n_layers, a.n_kv_heads, a.head_dim, a.d_model)
+            != (b.vocab, b.n_layers, b.n_kv_heads, b.head_dim, b.d_model)
+        {
+            return Err(Error::Shape(format!(
+                "new policy version {version} has another shape (vocab {} layers {} kv heads {} head dim {} d_model {}) than the one serving (vocab {} layers {} kv heads {} head dim {} d_model {})",
+                b.vocab,
+                b.n_layers,
+                b.n_kv_heads,
+                b.head_dim,
+                b.d_model,
+                a.vocab,
+                a.n_layers,
+                a.n_kv_heads,
+                a.head_dim,
+                a.d_model
+            )));
+        }
+        self.model = model;
+        self.version = version;
+        self.stats.swaps += 1;
+        Ok(())
+    }
+
+    /// Loads a checkpoint directory as policy `version`, checking its weights' SHA-256
+    /// when given. On any failure the old weights keep serving and the error says why.
+    pub fn load_weights(&mut self, dir: &Path, version: u32, sha256: Option<&str>) -> Result<()> {
+        if let Some(want) = sha256 {
+            let got = checkpoint::weights_sha256(dir)?;
+            if got != want {
+                return Err(Error::Checkpoint {
+                    path: dir.display().to_string(),
+                    reason: format!("checksum mismatch for policy version {version}: expected {want}, found {got}"),
+                });
+            }
+        }
+        let loaded = checkpoint::load(dir, self.model.device())?;
+        self.swap(loaded.model, version)
+    }
+
+    /// Steps until every request has finished; returns the outputs in finishing order.
+    pub fn run_to_completion(&mut self) -> Result<Vec<Output>> {
+        let mut out = Vec::new();
+        while self.has_work() {
+            for e in self.step()? {
+                if let Event::Done(o) = e {
+                    out.push(o);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// One scheduler step: admit + prefill newcomers, one decode step for the others,
+    /// retire the finished.
+    pub fn step(&mut self) -> Result<Vec<Event>> {
+        let mut events = Vec::new();
+        self.stats.steps += 1;
+        // Decode first for the sequences already running, then admit: a newcomer's first
+        // token comes from its prefill, so it joins the decode batch from the next step.
+        if !self.running.is_empty() {
+            self.decode(&mut events)?;
+        }
+        let admitted = self.admit();
+        if !admitted.is_empty() {
+            self.prefill(admitted, &mut events)?;
+        }
+        Ok(events)
+    }
+
+    fn admit(&mut self) -> Vec<Seq> {
+        let mut kv: usize = self.running.iter().map(Seq::budget).sum();
+        let mut prefill = 0;
+        let mut admitted = Vec::new();
+        while let Some(next) = self.waiting.front() {
+            let room = self.running.len() + admitted.len() < self.cfg.max_num_seqs;
+            let fits_kv = kv + next.budget() <= self.cfg.max_kv_tokens;
+            let fits_prefill = admitted.is_empty() || prefill + next.prompt.len() <= self.cfg.max_prefill_tokens;
+            if !(room && fits_kv && fits_prefill) {
+                break;
+            }
+            let s = self.waiting.pop_front().expect("front exists");
+            kv += s.budget();
+            prefill += s.prompt.len();
+            admitted.push(s);
+        }
+        admitted
+    }
+
+    fn prefill(&mut self, mut seqs: Vec<Seq>, events: &mut Vec<Event>) -> Result<()> {
+        let dev = self.model.device().clone();
+        let b = seqs.len();
+        let t = seqs.iter().map(|s| s.prompt.len()).max().unwrap_or(1);
+        let mut tokens = vec![0u32; b * t];
+        let mut positions = vec![0u32; b * t];
+        let mut mask = vec![MASKED; b * t * t];
+        let lens: Vec<usize> = seqs.iter().map(|s| s.prompt.len()).collect();
+        for (r, s) in seqs.iter().enumerate() {
+            for (i, &tok) in s.prompt.iter().enumerate() {
+                tokens[r * t + i] = tok;
+                positions[r * t + i] = i as u32;
+            }
+            for i in 0..t {
+                for j in 0..=i.min(lens[r] - 1) {
+                    mask[(r * t + i) * t + j] = 0.0;
+                }
+            }
+        }
+        let ctx = self.model.config().max_positions;
+        let mut caches: Vec<KvCache> = seqs.iter().map(|s| self.model.new_cache(s.budget().min(ctx))).collect();
+        let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+        let logits = self.model.forward_ragged(
+            &Tensor::from_vec(tokens, (b, t), &dev)?,
+            &Tensor::from_vec(positions, (b, t), &dev)?,
+            &Tensor::from_vec(mask, (b, 1, t, t), &dev)?,
+            &mut refs,
+            &lens,
+        )?;
+        let idx = Tensor::from_vec(
+            lens.iter()
+                .enumerate()
+                .map(|(r, l)| (r * t + l - 1) as u32)
+                .collect::<Vec<_>>(),
+            b,
+            &dev,
+        )?;
+        let v = self.model.config().vocab;
+        let last = logits.reshape((b * t, v))?.index_select(&idx, 0)?.to_vec2::<f32>()?;
+        let started = now_ms();
+        self.stats.prefilled += lens.iter().sum::<usize>() as u64;
+        for (s, c) in seqs.iter_mut().zip(caches) {
+            s.cache = Some(c);
+            s.started_at = started;
+        }
+        self.advance(seqs, last, events)
+    }
+
+    fn decode(&mut self, events: &mut Vec<Event>) -> Result<()> {
+        let dev = self.model.device().clone();
+        let mut seqs = std::mem::take(&mut self.running);
+        let b = seqs.len();
+        let lens: Vec<usize> = seqs
+            .iter()
+            .map(|s| s.cache.as_ref().map_or(0, KvCache::len) + 1)
+            .collect();
+        let width = lens.iter().copied().max().unwrap_or(1);
+        let tokens: Vec<u32> = seqs
+            .iter()
+            .map(|s| *s.tokens.last().expect("running sequences have a token"))
+            .collect();
+        let positions: Vec<u32> = lens.iter().map(|l| (l - 1) as u32).collect();
+        let mut mask = vec![MASKED; b * width];
+        for (r, l) in lens.iter().enumerate() {
+            mask[r * width..r * width + l].fill(0.0);
+        }
+        let mut refs: Vec<&mut KvCache> = seqs
+            .iter_mut()
+            .map(|s| s.cache.as_mut().expect("running sequences have a cache"))
+            .collect();
+        let logits = self.model.forward_ragged(
+            &Tensor::from_vec(tokens, (b, 1), &dev)?,
+            &Tensor::from_vec(positions, (b, 1), &dev)?,
+            &Tensor::from_vec(mask, (b, 1, 1, width), &dev)?,
+            &mut refs,
+            &vec![1; b],
+        )?;
+        let rows = logits.squeeze(1)?.to_vec2::<f32>()?;
+        self.stats.decode_steps += 1;
+        self.stats.batch_rows += b as u64;
+        self.advance(seqs, rows, events)
+    }
+
+    /// Samples one token per sequence from its logits row, records it, and retires the
+    /// sequences that finished.
+    fn advance(&mut self, seqs: Vec<Seq>, rows: Vec<Vec<f32>>, events: &mut Vec<Event>) -> Result<()> {
+        let ctx = self.model.config().max_positions;
+        let eos = self.tokenizer.as_ref().and_then(|t| t.eos);
+        for (mut s, row) in seqs.into_iter().zip(rows) {
+            let (token, logprob) = sample(&row, &s.params, &mut s.rng);
+            s.tokens.push(token);
+            s.logprobs.push(logprob);
+            s.versions.push(self.version);
+            self.stats.generated += 1;
+            events.push(Event::Token {
+                id: s.id,
+                token,
+                logprob,
+                version: self.version,
+            });
+            let finish = if s.params.stop_token_ids.contains(&token) || (!s.params.ignore_eos && Some(token) == eos) {
+                Some(FinishReason::Stop)
+            } else if let Some(r) = self.stop_string(&mut s)? {
+                Some(r)
+            } else if s.tokens.len() >= s.params.max_tokens || s.prompt.len() + s.tokens.len() >= ctx {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            match finish {
+                Some(r) => {
+                    let out = self.finish(s, r);
+                    events.push(Event::Done(out));
+                }
+                None => self.running.push(s),
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the text so far contains a stop string or tool-call marker.
+    fn stop_string(&self, s: &mut Seq) -> Result<Option<FinishReason>> {
+        let Some(tok) = &self.tokenizer else { return Ok(None) };
+        if s.params.stop.is_empty() && s.params.tool_call_stop.is_empty() {
+            return Ok(None);
+        }
+        let text = tok.decode(&s.tokens)?;
+        let longest = s
+            .params
+            .stop
+            .iter()
+            .chain(&s.params.tool_call_stop)
+            .map(String::len)
+            .max()
+            .unwrap_or(0);
+        let mut from = s.text_len_checked.saturating_sub(longest);
+        while !text.is_char_boundary(from.min(text.len())) {
+            from -= 1;
+        }
+        let tail = &text[from.min(text.len())..];
+        s.text_len_checked = text.len();
+        let hit = |list: &[String]| list.iter().any(|m| tail.contains(m.as_str()));
+        Ok(if hit(&s.params.tool_call_stop) {
+            Some(FinishReason::ToolCall)
+        } else if hit(&s.params.stop) {
+            Some(FinishReason::Stop)
+        } else {
+            None
+        })
+    }
+
+    fn finish(&mut self, s: Seq, reason: FinishReason) -> Output {
+        // A final end-of-sequence or stop token ends the text; it is not part of it.
+        let eos = self.tokenizer.as_ref().and_then(|t| t.eos);
+        let shown = match s.tokens.last() {
+            Some(&t) if reason == FinishReason::Stop && (Some(t) == eos || s.params.stop_token_ids.contains(&t)) => {
+                &s.tokens[..s.tokens.len() - 1]
+            }
+            _ => &s.tokens[..],
+        };
+        let mut text = self
+            .tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(shown).ok())
+            .unwrap_or_default();
+        match reason {
+            FinishReason::Stop => {
+                if let Some(at) = s.params.stop.iter().filter_map(|m| text.find(m.as_str())).min() {
+                    text.truncate(at);
+                }
+            }
+            FinishReason::ToolCall => {
+                if let Some(end) = s
+                    .params
+                    .tool_call_stop
+                    .iter()
+                    .filter_map(|m| text.find(m.as_str()).map(|at| at + m.len()))
+                    .min()
+                {
+                    text.truncate(end);
+                }
+            }
+            FinishReason::Length | FinishReason::Cancelled => {}
+        }
+        Output {
+            id: s.id,
+            prompt_len: s.prompt.len(),
+            tokens: s.tokens,
+            logprobs: s.logprobs,
+            versions: s.versions,
+            text,
+            finish_reason: reason,
+            queued_at: s.queued_at,
+            started_at: s.started_at,
+            finished_at: now_ms(),
+        }
+    }
+}
+
+/// Picks a token from one row of logits: its logprob is under the temperature-scaled
+/// distribution over the full vocabulary; top-k and top-p only restrict which tokens can
+/// be drawn.
+fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32) {
+    let t = if p.temperature > 0.0 { p.temperature } else { 1.0 };
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    // log_softmax(l / t) = (l - max) / t - log Σ exp((l - max) / t)
+    let log_z = logits.iter().map(|l| ((l - max) / t).exp()).sum::<f32>().ln();
+    let logprob = |i: usize| (logits[i] - max) / t - log_z;
+    if p.temperature == 0.0 {
+        let (i, _) = logits.iter().enumerate().fold(
+            (0, f32::NEG_INFINITY),
+            |acc, (i, &l)| if l > acc.1 { (i, l) } else { acc },
+        );
+        return (i as u32, logprob(i));
+    }
+    let mut cand: Vec<(usize, f32)> = (0..logits.len()).map(|i| (i, logprob(i).exp())).collect();
+    if p.top_k > 0 || p.top_p < 1.0 {
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if p.top_k > 0 {
+            cand.truncate(p.top_k);
+        }
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let mut keep = cand.len();
+            for (n, (_, q)) in cand.iter().enumerate() {
+                acc += q;
+                if acc >= p.top_p {
+                    keep = n + 1;
+                    break;
+                }
+            }
+            cand.truncate(keep);
+        }
+    }
+    let total: f32 = cand.iter().map(|c| c.1).sum();
+    let u: f32 = rng.random::<f32>() * total;
+    let mut acc = 0.0;
+    for &(i, q) in &cand {
+        acc += q;
+        if u < acc {
+            return (i as u32, logprob(i));
+        }
+    }
+    let i = cand.last().map_or(0, |c| c.0);
+    (i as u32, logprob(i))
+}

@@ -1,0 +1,314 @@
+//! The continuous-batching engine: batching changes nothing about what a request gets,
+//! logprobs match a recompute, weight swaps are clean, stops behave.
+
+use candle_core::Device;
+use streamrl_model::engine::{Engine, EngineConfig, FinishReason, Output, SamplingParams};
+use streamrl_model::{Packed, Tokenizer, Transformer, checkpoint, config, token_logprobs};
+
+fn model(seed: u64) -> Transformer {
+    let tok = Tokenizer::char_level();
+    let hf = config::preset("tiny", tok.vocab_size()).unwrap();
+    checkpoint::init_seeded(&hf, &Device::Cpu, Some(seed)).unwrap().model
+}
+
+fn engine(seed: u64, max_num_seqs: usize) -> Engine {
+    Engine::new(
+        model(seed),
+        0,
+        Some(Tokenizer::char_level()),
+        EngineConfig {
+            max_num_seqs,
+            ..Default::default()
+        },
+    )
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    let tok = Tokenizer::char_level();
+    ["1+1=", "123+456=", "7=", "98-76*5=", "31415926+27=", "0*0="]
+        .iter()
+        .map(|p| tok.encode(p).unwrap())
+        .collect()
+}
+
+fn params(i: usize, temperature: f32) -> SamplingParams {
+    SamplingParams {
+        temperature,
+        seed: 100 + i as u64,
+        // Lengths vary so sequences leave the batch at different steps.
+        max_tokens: 3 + 5 * i,
+        ignore_eos: true,
+        top_k: if i.is_multiple_of(2) { 0 } else { 20 },
+        top_p: if i.is_multiple_of(3) { 0.9 } else { 1.0 },
+        ..Default::default()
+    }
+}
+
+fn by_id(mut outs: Vec<Output>) -> Vec<Output> {
+    outs.sort_by_key(|o| o.id);
+    outs
+}
+
+#[test]
+fn continuous_batching_gives_every_request_what_it_gets_alone() {
+    for temperature in [0.0, 0.8] {
+        // Three slots for six requests: sequences join as others finish.
+        let mut batched = engine(1, 3);
+        for (i, p) in prompts().into_iter().enumerate() {
+            batched.add(p, params(i, temperature)).unwrap();
+        }
+        let mut max_running = 0;
+        let mut outs = Vec::new();
+        while batched.has_work() {
+            for e in batched.step().unwrap() {
+                if let streamrl_model::engine::Event::Done(o) = e {
+                    outs.push(o);
+                }
+            }
+            max_running = max_running.max(batched.num_running());
+        }
+        let outs = by_id(outs);
+        assert_eq!(max_running, 3);
+        assert!(batched.stats().decode_steps > 0);
+        for (i, p) in prompts().into_iter().enumerate() {
+            let mut alone = engine(1, 1);
+            alone.add(p, params(i, temperature)).unwrap();
+            let a = alone.run_to_completion().unwrap().remove(0);
+            let b = &outs[i];
+            assert_eq!(a.tokens, b.tokens, "request {i} at T={temperature}");
+            assert_eq!(a.tokens.len(), 3 + 5 * i);
+            assert_eq!(b.finish_reason, FinishReason::Length);
+            for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+                assert!((x - y).abs() <= 1e-5, "request {i}: {x} vs {y}");
+            }
+        }
+    }
+}
+
+#[test]
+fn sampled_logprobs_equal_a_full_recompute() {
+    let temperature = 0.7;
+    let mut e = engine(2, 4);
+    for (i, p) in prompts().into_iter().enumerate() {
+        e.add(p, params(i, temperature)).unwrap();
+    }
+    let outs = by_id(e.run_to_completion().unwrap());
+    let m = e.model();
+    for (o, p) in outs.iter().zip(prompts()) {
+        let seq: Vec<u32> = p.iter().chain(&o.tokens).copied().collect();
+        let batch = Packed::new(&[vec![seq.clone()]], &Device::Cpu).unwrap();
+        let (logits, _) = m.forward(&batch).unwrap();
+        let lp = token_logprobs(&logits, &batch.tokens, temperature as f64)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        for (k, got) in o.logprobs.iter().enumerate() {
+            let want = lp[p.len() + k];
+            assert!(
+                (got - want).abs() <= 1e-5,
+                "token {k}: sampled {got}, recomputed {want}"
+            );
+        }
+        assert!(o.versions.iter().all(|v| *v == 0));
+    }
+}
+
+#[test]
+fn a_weight_swap_changes_versions_from_that_token_on_and_nothing_before() {
+    let steps_before = 4;
+    let run = |swap: bool| {
+        let mut e = engine(3, 8);
+        for (i, p) in prompts().into_iter().enumerate() {
+            e.add(
+                p,
+                SamplingParams {
+                    max_tokens: 12,
+                    ..params(i, 0.0)
+                },
+            )
+            .unwrap();
+        }
+        let mut outs = Vec::new();
+        for step in 0.. {
+            if !e.has_work() {
+                break;
+            }
+            if swap && step == steps_before {
+                e.swap(model(4), 1).unwrap();
+                assert_eq!(e.version(), 1);
+            }
+            for ev in e.step().unwrap() {
+                if let streamrl_model::engine::Event::Done(o) = ev {
+                    outs.push(o);
+                }
+            }
+        }
+        by_id(outs)
+    };
+    let (old, swapped) = (run(false), run(true));
+    for (a, b) in old.iter().zip(&swapped) {
+        // Step 0 prefills (1 token), every later step decodes one: 4 tokens before the swap.
+        let n_old = b.versions.iter().take_while(|v| **v == 0).count();
+        assert_eq!(n_old, steps_before, "versions {:?}", b.versions);
+        assert!(b.versions[n_old..].iter().all(|v| *v == 1));
+        assert_eq!(a.tokens[..n_old], b.tokens[..n_old]);
+        assert_eq!(a.logprobs[..n_old], b.logprobs[..n_old]);
+        assert_eq!(b.tokens.len(), 12);
+    }
+    assert!(
+        old.iter().zip(&swapped).any(|(a, b)| a.tokens != b.tokens),
+        "new weights changed nothing"
+    );
+}
+
+#[test]
+fn a_failed_weight_load_keeps_the_old_weights_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = Tokenizer::char_level();
+    let good = dir.path().join("v1");
+    let hf = config::preset("tiny", tok.vocab_size()).unwrap();
+    let l = checkpoint::init_seeded(&hf, &Device::Cpu, Some(9)).unwrap();
+    let sha = checkpoint::save(&good, &hf, &l.vars, Some(&tok), None).unwrap();
+    let wrong_shape = dir.path().join("small");
+    let hf_small = config::preset("small", tok.vocab_size()).unwrap();
+    let s = checkpoint::init_seeded(&hf_small, &Device::Cpu, Some(9)).unwrap();
+    checkpoint::save(&wrong_shape, &hf_small, &s.vars, Some(&tok), None).unwrap();
+
+    let mut e = engine(5, 2);
+    let p = prompts()[1].clone();
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        max_tokens: 5,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    e.add(p.clone(), greedy.clone()).unwrap();
+    let before = e.run_to_completion().unwrap().remove(0);
+
+    let missing = e
+        .load_weights(&dir.path().join("nope"), 1, None)
+        .unwrap_err()
+        .to_string();
+    assert!(missing.contains("nope"), "{missing}");
+    let bad_sum = e.load_weights(&good, 1, Some(&"0".repeat(64))).unwrap_err().to_string();
+    assert!(
+        bad_sum.contains("checksum mismatch") && bad_sum.contains(&sha),
+        "{bad_sum}"
+    );
+    let shape = e.load_weights(&wrong_shape, 1, None).unwrap_err().to_string();
+    assert!(shape.contains("another shape"), "{shape}");
+    assert_eq!(e.version(), 0);
+    e.add(p.clone(), greedy.clone()).unwrap();
+    assert_eq!(e.run_to_completion().unwrap().remove(0).tokens, before.tokens);
+
+    e.load_weights(&good, 1, Some(&sha)).unwrap();
+    assert_eq!(e.version(), 1);
+    e.add(p, greedy).unwrap();
+    let after = e.run_to_completion().unwrap().remove(0);
+    assert!(after.versions.iter().all(|v| *v == 1));
+}
+
+#[test]
+fn stop_strings_tool_markers_stop_tokens_and_max_tokens() {
+    let tok = Tokenizer::char_level();
+    let p = prompts()[3].clone();
+    let greedy = |max_tokens| SamplingParams {
+        temperature: 0.0,
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut e = engine(6, 4);
+    e.add(p.clone(), greedy(16)).unwrap();
+    let full = e.run_to_completion().unwrap().remove(0);
+    assert_eq!(full.tokens.len(), 16);
+    assert_eq!(full.finish_reason, FinishReason::Length);
+    let text = tok.decode(&full.tokens).unwrap();
+    assert_eq!(full.text, text);
+
+    // Stop at the text of generated characters 3..5: stops right after it appears first.
+    let marker: String = text.chars().skip(3).take(2).collect();
+    let first = text.find(&marker).unwrap();
+    e.add(
+        p.clone(),
+        SamplingParams {
+            stop: vec![marker.clone()],
+            ..greedy(16)
+        },
+    )
+    .unwrap();
+    let o = e.run_to_completion().unwrap().remove(0);
+    assert_eq!(o.finish_reason, FinishReason::Stop);
+    assert_eq!(o.text, text[..first], "stop string excluded from the text");
+    assert_eq!(
+        o.tokens,
+        full.tokens[..first + 2],
+        "tokens up to the one completing the stop"
+    );
+
+    e.add(
+        p.clone(),
+        SamplingParams {
+            tool_call_stop: vec![marker.clone()],
+            ..greedy(16)
+        },
+    )
+    .unwrap();
+    let o = e.run_to_completion().unwrap().remove(0);
+    assert_eq!(o.finish_reason, FinishReason::ToolCall);
+    assert_eq!(o.text, text[..first + 2], "tool-call marker kept");
+
+    e.add(
+        p.clone(),
+        SamplingParams {
+            stop_token_ids: vec![full.tokens[5]],
+            ..greedy(16)
+        },
+    )
+    .unwrap();
+    let o = e.run_to_completion().unwrap().remove(0);
+    let at = full.tokens.iter().position(|t| *t == full.tokens[5]).unwrap();
+    assert_eq!(o.tokens, full.tokens[..=at]);
+    assert_eq!(o.finish_reason, FinishReason::Stop);
+    assert_eq!(
+        o.text,
+        tok.decode(&full.tokens[..at]).unwrap(),
+        "the stop token is not in the text"
+    );
+
+    e.add(p.clone(), greedy(7)).unwrap();
+    let o = e.run_to_completion().unwrap().remove(0);
+    assert_eq!((o.tokens.len(), o.finish_reason), (7, FinishReason::Length));
+    assert_eq!(o.tokens, full.tokens[..7]);
+
+    let id = e.add(p.clone(), greedy(50)).unwrap();
+    e.step().unwrap();
+    e.step().unwrap();
+    let o = e.cancel(id).unwrap();
+    assert_eq!((o.tokens.len(), o.finish_reason), (2, FinishReason::Cancelled));
+    assert!(!e.has_work());
+}
+
+#[test]
+fn bad_requests_are_refused_with_every_reason() {
+    let mut e = engine(7, 2);
+    let err = e
+        .add(
+            vec![],
+            SamplingParams {
+                temperature: -1.0,
+                top_p: 0.0,
+                max_tokens: 0,
+                ..Default::default()
+            },
+        )
+        .unwrap_err()
+        .to_string();
+    for want in ["temperature -1", "top_p 0", "max_tokens", "prompt is empty"] {
+        assert!(err.contains(want), "{want} missing from: {err}");
+    }
+    let err = e.add(vec![5000], SamplingParams::default()).unwrap_err().to_string();
+    assert!(err.contains("5000") && err.contains("vocabulary"), "{err}");
+}

@@ -1,0 +1,159 @@
+//! What `streamrl run` shows while it runs: one line per trainer step (reward, loss,
+//! masking, staleness, throughput) read from the `metrics` and `policy` topics like any
+//! other consumer, and a summary at the end. It also ends the run once the trainer has
+//! published its `max_steps`-th version.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Result;
+use streamrl_runtime::bus::Bus;
+use streamrl_runtime::runner::Shutdown;
+use streamrl_runtime::topology::{StageKind, Topology};
+use streamrl_schemas::{MetricRow, PolicyRow, SchemaId, TopicRow, codec};
+use streamrl_stages::trainer::TrainerConfig;
+
+/// Per-step trainer metrics seen so far.
+#[derive(Debug, Default)]
+pub struct Summary {
+    steps: BTreeMap<u64, BTreeMap<String, f64>>,
+    wall: f64,
+}
+
+impl Summary {
+    /// Prints the first and last steps' key numbers.
+    pub fn print(&self) {
+        if self.steps.is_empty() {
+            return;
+        }
+        let get = |m: &BTreeMap<String, f64>, k: &str| m.get(k).copied().unwrap_or(f64::NAN);
+        let n = self.steps.len();
+        let window = (n / 4).max(1);
+        let mean =
+            |it: Vec<&BTreeMap<String, f64>>, k: &str| it.iter().map(|m| get(m, k)).sum::<f64>() / it.len() as f64;
+        let first: Vec<_> = self.steps.values().take(window).collect();
+        let last: Vec<_> = self.steps.values().rev().take(window).collect();
+        eprintln!();
+        eprintln!(
+            "{:<28} {:>12} {:>12}",
+            format!("summary ({n} steps, {:.0} s)", self.wall),
+            "first ¼",
+            "last ¼"
+        );
+        for k in [
+            "reward_mean",
+            "loss",
+            "entropy",
+            "mismatch_kl",
+            "masked_low",
+            "masked_high",
+            "step_seconds",
+        ] {
+            eprintln!(
+                "{:<28} {:>12.4} {:>12.4}",
+                k,
+                mean(first.clone(), k),
+                mean(last.clone(), k)
+            );
+        }
+    }
+}
+
+/// Watches the run's policy and metrics topics.
+pub struct Watcher {
+    task: tokio::task::JoinHandle<Summary>,
+}
+
+impl Watcher {
+    /// Subscribes (broadcast) to the policy and metrics topics and starts printing.
+    pub async fn start(bus: &Arc<dyn Bus>, t: &Topology, shutdown: Shutdown) -> Result<Watcher> {
+        let topic = |schema: SchemaId| {
+            t.topics
+                .iter()
+                .find(|(_, d)| d.schema == schema)
+                .map(|(n, _)| n.clone())
+        };
+        let max_steps = t
+            .stages
+            .values()
+            .find(|s| s.kind == StageKind::Trainer)
+            .and_then(|s| streamrl_stages::parse_config::<TrainerConfig>(&s.config).ok())
+            .and_then(|c| c.max_steps);
+        let mut policy = match topic(SchemaId::Policy) {
+            Some(p) => Some(bus.broadcast(&p).await?),
+            None => None,
+        };
+        let mut metrics = match topic(SchemaId::Metrics) {
+            Some(m) => Some(bus.broadcast(&m).await?),
+            None => None,
+        };
+        let task = tokio::spawn(async move {
+            let t0 = Instant::now();
+            let mut summary = Summary::default();
+            // Once the last version is out, wait (briefly) for its metrics before stopping.
+            let mut stop_by: Option<tokio::time::Instant> = None;
+            let last_step = |s: &Summary| s.steps.keys().next_back().copied().unwrap_or(0);
+            loop {
+                if let (Some(max), Some(_)) = (max_steps, stop_by)
+                    && last_step(&summary) >= max
+                {
+                    shutdown.trigger();
+                    break;
+                }
+                tokio::select! {
+                    _ = shutdown.wait() => break,
+                    _ = async { match stop_by { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => {
+                        shutdown.trigger();
+                        break;
+                    }
+                    m = async { match policy.as_mut() { Some(c) => c.recv().await, None => std::future::pending().await } } => {
+                        let Ok(m) = m else { break };
+                        let Ok(b) = codec::decode(SchemaId::Policy, &m.headers, &m.payload) else { continue };
+                        let Ok(rows) = PolicyRow::from_batch(&b) else { continue };
+                        if let (Some(max), Some(v)) = (max_steps, rows.iter().map(|r| r.version as u64).max())
+                            && v >= max
+                            && stop_by.is_none()
+                        {
+                            eprintln!("trainer reached max_steps {max}: stopping the run");
+                            stop_by = Some(tokio::time::Instant::now() + std::time::Duration::from_secs(2));
+                        }
+                    }
+                    m = async { match metrics.as_mut() { Some(c) => c.recv().await, None => std::future::pending().await } } => {
+                        let Ok(m) = m else { break };
+                        let Ok(b) = codec::decode(SchemaId::Metrics, &m.headers, &m.payload) else { continue };
+                        let Ok(rows) = MetricRow::from_batch(&b) else { continue };
+                        let trainer: Vec<&MetricRow> = rows.iter().filter(|r| r.name == "step_seconds").collect();
+                        if trainer.is_empty() {
+                            continue;
+                        }
+                        let step = trainer[0].step;
+                        let e = summary.steps.entry(step).or_default();
+                        for r in rows.iter().filter(|r| r.step == step) {
+                            e.insert(r.name.clone(), r.value);
+                        }
+                        let g = |k: &str| e.get(k).copied().unwrap_or(0.0);
+                        let stale: Vec<String> = e
+                            .iter()
+                            .filter_map(|(k, v)| k.strip_prefix("staleness_").map(|s| format!("{s}:{v}")))
+                            .collect();
+                        eprintln!(
+                            "step {step:>4}{} reward {:.3} loss {:+.4} entropy {:.3} kl {:.4} masked {:.3}/{:.3} trained {:>3}/{:<3} staleness [{}] {:.2} s/step {:.0} s",
+                            max_steps.map(|m| format!("/{m}")).unwrap_or_default(),
+                            g("reward_mean"), g("loss"), g("entropy"), g("mismatch_kl"), g("masked_low"), g("masked_high"),
+                            g("samples_trained"), g("samples"), stale.join(" "), g("step_seconds"), t0.elapsed().as_secs_f64()
+                        );
+                    }
+                }
+            }
+            summary.wall = t0.elapsed().as_secs_f64();
+            summary
+        });
+        Ok(Watcher { task })
+    }
+
+    /// Stops watching and returns what was seen.
+    pub async fn finish(self) -> Summary {
+        self.task.await.unwrap_or_default()
+    }
+}

@@ -1,0 +1,391 @@
+//! `streamrl sft` (supervised warm start from an environment's reference solutions) and
+//! `streamrl eval` (greedy accuracy and pass@k on the environment's held-out split).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow, bail};
+use candle_core::Device;
+use clap::Args;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use streamrl_envs::rubric::ScoreInput;
+use streamrl_envs::{Environment, Split};
+use streamrl_model::engine::{Engine, EngineConfig, SamplingParams};
+use streamrl_model::optim::LrSchedule;
+use streamrl_model::{Tokenizer, checkpoint, config};
+use streamrl_stages::train::{Learner, LossConfig, TrainConfig, TrainSample};
+
+/// Where an environment's configuration comes from.
+#[derive(Args, Debug, Clone)]
+pub struct EnvArgs {
+    /// Environment name.
+    #[arg(long, default_value = "arith")]
+    pub env: String,
+    /// Take the environment's configuration from this topology's `envs:` section (when it
+    /// has the environment; built-in defaults otherwise).
+    #[arg(short, long, default_value = "topology.yaml", env = "STREAMRL_TOPOLOGY")]
+    pub topology: PathBuf,
+}
+
+impl EnvArgs {
+    fn build(&self) -> Result<Box<dyn Environment>> {
+        let mut cfg = serde_json::Value::Null;
+        if self.topology.exists() {
+            let text = std::fs::read_to_string(&self.topology)?;
+            let root: serde_yaml::Value = serde_yaml::from_str(&text)?;
+            if let Some(c) = root
+                .get("envs")
+                .and_then(|e| e.get(&self.env))
+                .and_then(|e| e.get("config"))
+            {
+                cfg = serde_json::to_value(c)?;
+            }
+        }
+        streamrl_envs::build(&self.env, &cfg).map_err(|e| anyhow!("environment `{}`: {}", self.env, e.join("; ")))
+    }
+}
+
+/// `streamrl sft`.
+#[derive(Args, Debug)]
+pub struct SftArgs {
+    #[command(flatten)]
+    env: EnvArgs,
+    /// Output checkpoint directory (default: run the topology's `sft:` section, skipped
+    /// when its output exists).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Start from this checkpoint (default: a fresh model of `--preset`).
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Size of a fresh model: tiny or small.
+    #[arg(long, default_value = "tiny")]
+    preset: String,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 300)]
+    steps: u64,
+    /// Samples per step.
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    /// Peak learning rate (warmup + cosine).
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Seed (model init and data order).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+fn tokenized(env: &dyn Environment, tok: &Tokenizer, seed: u64) -> Result<Option<TrainSample>> {
+    let p = env.sample(Split::Train, seed);
+    let Some(reference) = env.reference_completion(&p) else {
+        return Ok(None);
+    };
+    let prompt = tok.encode(&env.prompt(&p).text)?;
+    let mut completion = tok.encode(&reference)?;
+    completion.extend(tok.eos);
+    Ok(Some(TrainSample {
+        loss_mask: vec![true; completion.len()],
+        sampler_logprobs: vec![0.0; completion.len()],
+        prompt,
+        completion,
+        advantage: 0.0,
+    }))
+}
+
+/// Runs SFT.
+pub fn sft(a: SftArgs) -> Result<()> {
+    let Some(out) = a.out.clone() else {
+        let text = std::fs::read_to_string(&a.env.topology)
+            .with_context(|| format!("no --out, and cannot read {}", a.env.topology.display()))?;
+        let root: serde_yaml::Value = serde_yaml::from_str(&text)?;
+        let spec = root.get("sft").cloned().unwrap_or_default();
+        if spec.is_null() {
+            bail!("no --out given and {} has no `sft:` section", a.env.topology.display());
+        }
+        return sft_from_topology(&spec, &a.env.topology);
+    };
+    let env = a.env.build()?;
+    let tmp;
+    let start: &Path = match &a.checkpoint {
+        Some(c) => c,
+        None => {
+            tmp = tempdir_near(&out)?;
+            let tok = Tokenizer::char_level();
+            let hf = config::preset(&a.preset, tok.vocab_size())?;
+            let l = checkpoint::init_seeded(&hf, &Device::Cpu, Some(a.seed))?;
+            checkpoint::save(&tmp, &hf, &l.vars, Some(&tok), None)?;
+            &tmp
+        }
+    };
+    let cfg = TrainConfig {
+        loss: LossConfig::Sft,
+        lr: LrSchedule::WarmupCosine {
+            peak: a.lr,
+            warmup: (a.steps / 10).max(1),
+            total: a.steps,
+            min: a.lr / 10.0,
+        },
+        ..Default::default()
+    };
+    let mut learner = Learner::load(start, cfg).with_context(|| format!("loading {}", start.display()))?;
+    let tok = learner
+        .tokenizer
+        .clone()
+        .ok_or_else(|| anyhow!("{} has no tokenizer.json", start.display()))?;
+    let mut rng = StdRng::seed_from_u64(a.seed);
+    let t0 = Instant::now();
+    for step in 1..=a.steps {
+        let mut batch = Vec::with_capacity(a.batch);
+        while batch.len() < a.batch {
+            match tokenized(env.as_ref(), &tok, rng.random())? {
+                Some(s) => batch.push(s),
+                None => bail!("environment `{}` has no reference completions to train on", env.name()),
+            }
+        }
+        let r = learner.step(&batch)?;
+        if step == 1 || step % 25 == 0 || step == a.steps {
+            eprintln!(
+                "sft step {step:>5}/{} loss {:.4} grad_norm {:.3} lr {:.2e} {:.0} tok/s",
+                a.steps,
+                r.loss,
+                r.grad_norm,
+                r.lr,
+                r.tokens as f64 / r.seconds.max(1e-9)
+            );
+        }
+    }
+    let sha = learner.save(&out)?;
+    // The optimizer state of SFT is not what RL should start from.
+    for f in ["optimizer.json", "optimizer.safetensors"] {
+        let _ = std::fs::remove_file(out.join(f));
+    }
+    if a.checkpoint.is_none() {
+        let _ = std::fs::remove_dir_all(start);
+    }
+    println!(
+        "wrote {} after {} steps in {:.1} s (sha256 {sha})",
+        out.display(),
+        a.steps,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn tempdir_near(out: &Path) -> Result<PathBuf> {
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent)?;
+    Ok(parent.join(format!(".sft-init-{}", std::process::id())))
+}
+
+/// `streamrl eval`.
+#[derive(Args, Debug)]
+pub struct EvalArgs {
+    #[command(flatten)]
+    env: EnvArgs,
+    /// Checkpoint directory.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Held-out problems (the first n of the environment's eval split).
+    #[arg(long, default_value_t = 1000)]
+    n: usize,
+    /// Samples per problem for pass@k at temperature 1 (0: greedy only).
+    #[arg(long, default_value_t = 8)]
+    k: usize,
+    /// Completion tokens at most.
+    #[arg(long, default_value_t = 16)]
+    max_tokens: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Accuracy numbers of one checkpoint.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct EvalReport {
+    /// Problems.
+    pub n: usize,
+    /// Fraction solved greedily (reward ≥ 1).
+    pub greedy_accuracy: f64,
+    /// Mean greedy reward.
+    pub greedy_reward: f64,
+    /// k of pass@k.
+    pub k: usize,
+    /// Fraction with at least one of k samples correct.
+    pub pass_at_k: Option<f64>,
+    /// Mean reward over the k samples (pass@1 estimate at temperature 1).
+    pub sampled_accuracy: Option<f64>,
+    /// Seconds.
+    pub seconds: f64,
+}
+
+/// Evaluates a checkpoint on an environment's held-out split.
+pub fn evaluate(env: &dyn Environment, dir: &Path, n: usize, k: usize, max_tokens: usize) -> Result<EvalReport> {
+    let t0 = Instant::now();
+    let l = checkpoint::load(dir, &Device::Cpu)?;
+    let tok = l
+        .tokenizer
+        .ok_or_else(|| anyhow!("{} has no tokenizer.json", dir.display()))?;
+    let mut engine = Engine::new(
+        l.model,
+        0,
+        Some(tok.clone()),
+        EngineConfig {
+            max_num_seqs: 128,
+            ..Default::default()
+        },
+    );
+    let problems: Vec<_> = (0..n as u64).map(|i| env.sample(Split::Eval, i)).collect();
+    let correct = |p: &streamrl_envs::Problem, text: &str| {
+        let parsed = env.parse_answer(text);
+        env.rubric()
+            .score(&ScoreInput {
+                problem: p,
+                completion: text,
+                parsed: parsed.as_deref(),
+            })
+            .reward
+    };
+    let mut ids = std::collections::HashMap::new();
+    for (i, p) in problems.iter().enumerate() {
+        let prompt = tok.encode(&env.prompt(p).text)?;
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ..Default::default()
+        };
+        ids.insert(engine.add(prompt.clone(), greedy)?, (i, usize::MAX));
+        for j in 0..k {
+            let sampled = SamplingParams {
+                temperature: 1.0,
+                max_tokens,
+                seed: (i * 1000 + j) as u64,
+                ..Default::default()
+            };
+            ids.insert(engine.add(prompt.clone(), sampled)?, (i, j));
+        }
+    }
+    let mut greedy = vec![0f32; n];
+    let mut sampled = vec![vec![0f32; k]; n];
+    for o in engine.run_to_completion()? {
+        let (i, j) = ids[&o.id];
+        let r = correct(&problems[i], &o.text);
+        if j == usize::MAX {
+            greedy[i] = r;
+        } else {
+            sampled[i][j] = r;
+        }
+    }
+    let nf = n.max(1) as f64;
+    Ok(EvalReport {
+        n,
+        greedy_accuracy: greedy.iter().filter(|r| **r >= 1.0).count() as f64 / nf,
+        greedy_reward: greedy.iter().map(|r| *r as f64).sum::<f64>() / nf,
+        k,
+        pass_at_k: (k > 0).then(|| sampled.iter().filter(|s| s.iter().any(|r| *r >= 1.0)).count() as f64 / nf),
+        sampled_accuracy: (k > 0)
+            .then(|| sampled.iter().flatten().filter(|r| **r >= 1.0).count() as f64 / (nf * k as f64)),
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// Runs `streamrl eval`.
+pub fn eval(a: EvalArgs) -> Result<()> {
+    let env = a.env.build()?;
+    let r = evaluate(env.as_ref(), &a.checkpoint, a.n, a.k, a.max_tokens)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "{} on {} held-out {} problems ({:.1} s)",
+            a.checkpoint.display(),
+            r.n,
+            env.name(),
+            r.seconds
+        );
+        println!("  greedy accuracy   {:.1}%", 100.0 * r.greedy_accuracy);
+        if let (Some(p), Some(s)) = (r.pass_at_k, r.sampled_accuracy) {
+            println!("  pass@{:<2} (T=1)     {:.1}%", r.k, 100.0 * p);
+            println!("  sampled accuracy  {:.1}%", 100.0 * s);
+        }
+    }
+    Ok(())
+}
+
+/// The topology's `sft:` section: the warm start `streamrl run` performs first.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SftSpec {
+    /// Output checkpoint directory (the run skips SFT when it exists).
+    pub out: PathBuf,
+    /// Environment trained on.
+    #[serde(default = "arith")]
+    pub env: String,
+    /// Start from this checkpoint instead of a fresh model.
+    #[serde(default)]
+    pub checkpoint: Option<PathBuf>,
+    /// Fresh model size (tiny or small).
+    #[serde(default = "tiny")]
+    pub preset: String,
+    /// Optimizer steps.
+    #[serde(default = "d_steps")]
+    pub steps: u64,
+    /// Samples per step.
+    #[serde(default = "d_batch")]
+    pub batch: usize,
+    /// Peak learning rate.
+    #[serde(default = "d_lr")]
+    pub lr: f64,
+    /// Seed.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+fn arith() -> String {
+    "arith".into()
+}
+fn tiny() -> String {
+    "tiny".into()
+}
+fn d_steps() -> u64 {
+    300
+}
+fn d_batch() -> usize {
+    64
+}
+fn d_lr() -> f64 {
+    3e-3
+}
+
+/// Runs the topology's SFT section unless its output exists already.
+pub fn sft_from_topology(spec: &serde_yaml::Value, topology: &Path) -> Result<()> {
+    if spec.is_null() {
+        return Ok(());
+    }
+    let s: SftSpec = serde_yaml::from_value(spec.clone()).map_err(|e| anyhow!("{}: sft: {e}", topology.display()))?;
+    if s.out.join("config.json").exists() {
+        eprintln!("sft: {} exists; starting RL from it", s.out.display());
+        return Ok(());
+    }
+    eprintln!(
+        "sft: warm start into {} ({} steps of {} samples)",
+        s.out.display(),
+        s.steps,
+        s.batch
+    );
+    sft(SftArgs {
+        env: EnvArgs {
+            env: s.env,
+            topology: topology.to_path_buf(),
+        },
+        out: Some(s.out),
+        checkpoint: s.checkpoint,
+        preset: s.preset,
+        steps: s.steps,
+        batch: s.batch,
+        lr: s.lr,
+        seed: s.seed,
+    })
+}

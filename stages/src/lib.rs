@@ -1,0 +1,195 @@
+//! The pipeline stages of streamrl's RL loop, one module per stage kind:
+//!
+//! | module | consumes | produces |
+//! |---|---|---|
+//! | [`source`] | policy (broadcast) | prompts, metrics |
+//! | [`rollout`] | prompts, continuations, policy (broadcast) | rollouts, metrics |
+//! | [`sandbox`] | rollouts | executed, continuations |
+//! | [`reward`] | executed | scored |
+//! | [`mask`] | scored | samples, metrics |
+//! | [`trainer`] | samples | policy, metrics |
+//!
+//! They are one crate rather than six because they share the context every stage is
+//! built from ([`Ctx`]: run id, run directory, output topics, environments) and the
+//! training core ([`train`]) that the trainer stage and `streamrl sft` both use; each
+//! module has its config struct (documented fields, `problems()` listing every invalid
+//! value) next to its logic.
+
+pub mod mask;
+pub mod reward;
+pub mod rollout;
+pub mod sandbox;
+pub mod source;
+pub mod train;
+pub mod trainer;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::Deserialize;
+use streamrl_envs::{Environment, Mix};
+use streamrl_runtime::StageError;
+use streamrl_schemas::{MetricRow, SchemaId, TopicRow};
+
+/// What every stage is built from besides its own config.
+#[derive(Debug, Clone)]
+pub struct Ctx {
+    /// Run id stamped on rows.
+    pub run_id: String,
+    /// Run directory (checkpoints live under it).
+    pub run_dir: PathBuf,
+    /// Stage name in the topology.
+    pub stage: String,
+    /// Replica index.
+    pub replica: u32,
+    /// Output topics with their schemas.
+    pub outputs: Vec<(String, SchemaId)>,
+    /// The configured environments, when the topology has an `envs:` section.
+    pub envs: Option<Arc<Mix>>,
+}
+
+impl Ctx {
+    /// `stage-replica`.
+    pub fn instance(&self) -> String {
+        format!("{}-{}", self.stage, self.replica)
+    }
+
+    /// The output topic carrying `schema`, if the stage has one.
+    pub fn output(&self, schema: SchemaId) -> Option<String> {
+        self.outputs.iter().find(|(_, s)| *s == schema).map(|(n, _)| n.clone())
+    }
+
+    /// The output topic carrying `schema`; an error naming the stage when missing.
+    pub fn require_output(&self, schema: SchemaId) -> Result<String, Vec<String>> {
+        self.output(schema).ok_or_else(|| {
+            vec![format!(
+                "stage `{}` needs an output topic of schema `{schema}`",
+                self.stage
+            )]
+        })
+    }
+
+    /// The environments; an error when the topology has none.
+    pub fn require_envs(&self) -> Result<Arc<Mix>, Vec<String>> {
+        self.envs.clone().ok_or_else(|| {
+            vec![format!(
+                "stage `{}` needs environments: add an `envs:` section to the topology",
+                self.stage
+            )]
+        })
+    }
+
+    /// Metric rows for the `metrics` output (empty when the stage has none).
+    pub fn metrics(&self, step: u64, values: &[(&str, f64)]) -> Option<(String, arrow::record_batch::RecordBatch)> {
+        let topic = self.output(SchemaId::Metrics)?;
+        let now = now_ms();
+        let rows: Vec<MetricRow> = values
+            .iter()
+            .map(|(name, value)| MetricRow {
+                run_id: self.run_id.clone(),
+                step,
+                stage: self.stage.clone(),
+                name: name.to_string(),
+                value: *value,
+                created_at: now,
+            })
+            .collect();
+        MetricRow::to_batch(&rows).ok().map(|b| (topic, b))
+    }
+}
+
+/// One entry of the topology's `envs:` section.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EnvDecl {
+    /// Sampling weight in the mix.
+    #[serde(default = "one")]
+    weight: f64,
+    /// The environment's own configuration.
+    #[serde(default)]
+    config: serde_json::Value,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// Builds the environments of a topology's `envs:` section (`None` when absent), reporting
+/// every problem with its key path.
+pub fn build_envs(envs: &serde_yaml::Value) -> Result<Option<Mix>, Vec<String>> {
+    let Some(map) = envs.as_mapping() else {
+        return if envs.is_null() {
+            Ok(None)
+        } else {
+            Err(vec!["envs: expected a mapping".into()])
+        };
+    };
+    let mut errs = Vec::new();
+    let mut list: Vec<(Box<dyn Environment>, f64)> = Vec::new();
+    for (k, v) in map {
+        let name = k.as_str().unwrap_or_default().to_string();
+        let decl: EnvDecl = match serde_yaml::from_value(if v.is_null() {
+            serde_yaml::Value::Mapping(Default::default())
+        } else {
+            v.clone()
+        }) {
+            Ok(d) => d,
+            Err(e) => {
+                errs.push(format!("envs.{name}: {e}"));
+                continue;
+            }
+        };
+        match streamrl_envs::build(&name, &decl.config) {
+            Ok(env) => list.push((env, decl.weight)),
+            Err(es) => errs.extend(es.into_iter().map(|e| format!("envs.{name}.config: {e}"))),
+        }
+    }
+    if !errs.is_empty() {
+        return Err(errs);
+    }
+    Mix::new(list)
+        .map(Some)
+        .map_err(|es| es.into_iter().map(|e| format!("envs: {e}")).collect())
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// Runs CPU-heavy work (a decode step, a gradient step) without starving the other stages
+/// of a multi-threaded runtime: the worker thread hands its other tasks off first.
+pub fn compute<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
+/// A stage config from its YAML block (`null`: defaults), every problem reported.
+pub fn parse_config<T: serde::de::DeserializeOwned + Default>(v: &serde_yaml::Value) -> Result<T, Vec<String>> {
+    if v.is_null() {
+        Ok(T::default())
+    } else {
+        serde_yaml::from_value(v.clone()).map_err(|e| vec![e.to_string()])
+    }
+}
+
+/// A model error as a stage error that stops the stage (not the input's fault).
+pub fn internal(what: &str, e: impl std::fmt::Display) -> StageError {
+    StageError::internal(format!("{what}: {e}"))
+}
+
+/// Rows of `T` from an input, or a user error (dead-letter) naming the schema problem.
+pub fn rows<T: TopicRow>(batch: &arrow::record_batch::RecordBatch) -> Result<Vec<T>, StageError> {
+    T::from_batch(batch).map_err(|e| StageError::user(e.to_string()))
+}
+
+/// Path of a `file://` URI (or a plain path).
+pub fn uri_path(uri: &str) -> PathBuf {
+    PathBuf::from(uri.strip_prefix("file://").unwrap_or(uri))
+}

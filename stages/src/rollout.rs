@@ -1,0 +1,377 @@
+//! The rollout stage: the continuous-batching engine behind the `prompts` topic.
+//!
+//! Each `prompts` message (one group) becomes `group_size` engine requests; the input is
+//! held under its group id and acknowledged once the whole group has been emitted, so a
+//! crash regenerates the group (ids are deterministic, and the mask stage deduplicates by
+//! `rollout_id`). At most `max_inflight_groups` groups are in flight: when the limit is
+//! reached the stage drives the engine until a group finishes before taking the next
+//! input, so a finished group is replaced at once. Between inputs the engine advances in
+//! time slices, and a new policy version on the broadcast `policy` topic is loaded
+//! between two decode steps (in-flight weight update); a version that fails to load
+//! (missing file, checksum mismatch, other shape) leaves the old weights serving.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use candle_core::Device;
+use serde::{Deserialize, Serialize};
+use streamrl_model::checkpoint;
+use streamrl_model::engine::{Engine, EngineConfig, Event, Output, SamplingParams};
+use streamrl_runtime::{Emitter, Input, Stage, StageError};
+use streamrl_schemas::{PolicyRow, PromptRow, RolloutRow, SchemaId, TopicRow};
+
+use crate::{Ctx, compute, now_ms, rows, uri_path};
+
+/// Configuration of the rollout stage.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RolloutConfig {
+    /// Initial policy (HF checkpoint directory), served as version 0 until the trainer
+    /// publishes another.
+    pub checkpoint: PathBuf,
+    /// Groups generated concurrently at most (per replica).
+    pub max_inflight_groups: usize,
+    /// Sequences in one decode batch at most.
+    pub max_num_seqs: usize,
+    /// KV-cache tokens over all running sequences at most.
+    pub max_kv_tokens: usize,
+    /// Nucleus sampling mass (1.0: off).
+    pub top_p: f32,
+    /// Top-k sampling (0: off).
+    pub top_k: usize,
+    /// Stop strings (excluded from the completion text; the tokens stay).
+    pub stop: Vec<String>,
+    /// How long one engine time slice runs between inputs, in ms.
+    pub slice_ms: u64,
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        RolloutConfig {
+            checkpoint: PathBuf::new(),
+            max_inflight_groups: 8,
+            max_num_seqs: 64,
+            max_kv_tokens: 1 << 20,
+            top_p: 1.0,
+            top_k: 0,
+            stop: Vec::new(),
+            slice_ms: 50,
+        }
+    }
+}
+
+impl RolloutConfig {
+    /// Every invalid value.
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.checkpoint.as_os_str().is_empty() {
+            p.push("checkpoint: required (the initial policy)".into());
+        }
+        if self.max_inflight_groups == 0 {
+            p.push("max_inflight_groups must be at least 1".into());
+        }
+        p.extend(
+            EngineConfig {
+                max_num_seqs: self.max_num_seqs,
+                max_kv_tokens: self.max_kv_tokens,
+                ..Default::default()
+            }
+            .problems(),
+        );
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            p.push(format!("top_p {} must be in (0, 1]", self.top_p));
+        }
+        if self.slice_ms == 0 {
+            p.push("slice_ms must be at least 1".into());
+        }
+        p
+    }
+}
+
+struct Group {
+    prompt: PromptRow,
+    remaining: u32,
+}
+
+/// The rollout stage.
+pub struct RolloutStage {
+    cfg: RolloutConfig,
+    ctx: Ctx,
+    engine: Engine,
+    out_topic: String,
+    groups: HashMap<String, Group>,
+    requests: HashMap<u64, (String, u32)>,
+    load_failures: u64,
+}
+
+impl std::fmt::Debug for RolloutStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RolloutStage").field("cfg", &self.cfg).finish()
+    }
+}
+
+fn seed_of(group_id: &str, index: u32) -> u64 {
+    group_id
+        .bytes()
+        .chain(index.to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+        })
+}
+
+impl RolloutStage {
+    /// Builds the stage: loads the initial policy and its tokenizer.
+    pub fn build(cfg: RolloutConfig, ctx: Ctx) -> Result<Self, Vec<String>> {
+        let mut errs = cfg.problems();
+        let out = ctx.require_output(SchemaId::Rollouts);
+        if let Err(e) = &out {
+            errs.extend(e.clone());
+        }
+        if !errs.is_empty() {
+            return Err(errs);
+        }
+        let loaded = checkpoint::load(&cfg.checkpoint, &Device::Cpu).map_err(|e| vec![format!("checkpoint: {e}")])?;
+        let Some(tokenizer) = loaded.tokenizer else {
+            return Err(vec![format!(
+                "checkpoint: {} has no tokenizer.json",
+                cfg.checkpoint.display()
+            )]);
+        };
+        let engine = Engine::new(
+            loaded.model,
+            0,
+            Some(tokenizer),
+            EngineConfig {
+                max_num_seqs: cfg.max_num_seqs,
+                max_kv_tokens: cfg.max_kv_tokens,
+                ..Default::default()
+            },
+        );
+        Ok(RolloutStage {
+            cfg,
+            ctx,
+            engine,
+            out_topic: out.expect("checked"),
+            groups: HashMap::new(),
+            requests: HashMap::new(),
+            load_failures: 0,
+        })
+    }
+
+    /// The version now serving.
+    pub fn version(&self) -> u32 {
+        self.engine.version()
+    }
+
+    fn add_group(&mut self, p: PromptRow) -> Result<(), StageError> {
+        if self.groups.contains_key(&p.group_id) {
+            // A redelivered group that is still being generated: nothing new to do.
+            return Ok(());
+        }
+        let mut ids = Vec::new();
+        let tokens = if p.prompt_token_ids.is_empty() {
+            let tok = self.engine.tokenizer().expect("built with a tokenizer");
+            tok.encode(&p.prompt).map_err(|e| StageError::user(e.to_string()))?
+        } else {
+            p.prompt_token_ids.clone()
+        };
+        for i in 0..p.group_size {
+            let params = SamplingParams {
+                temperature: p.temperature,
+                top_p: self.cfg.top_p,
+                top_k: self.cfg.top_k,
+                seed: seed_of(&p.group_id, i),
+                max_tokens: p.max_tokens as usize,
+                stop: self.cfg.stop.clone(),
+                ..Default::default()
+            };
+            match self.engine.add(tokens.clone(), params) {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    for id in ids {
+                        self.engine.cancel(id);
+                        self.requests.remove(&id);
+                    }
+                    return Err(StageError::user(format!("group {}: {e}", p.group_id)));
+                }
+            }
+            self.requests
+                .insert(*ids.last().expect("pushed"), (p.group_id.clone(), i));
+        }
+        self.groups.insert(
+            p.group_id.clone(),
+            Group {
+                remaining: p.group_size,
+                prompt: p,
+            },
+        );
+        Ok(())
+    }
+
+    /// Runs engine steps until `until` says stop or the engine is idle; emits finished
+    /// samples and releases finished groups.
+    fn drive(&mut self, out: &mut Emitter, mut until: impl FnMut(&Self) -> bool) -> Result<(), StageError> {
+        let mut done = Vec::new();
+        while self.engine.has_work() && !until(self) {
+            let events =
+                compute(|| self.engine.step()).map_err(|e| StageError::internal(format!("engine step: {e}")))?;
+            for e in events {
+                if let Event::Done(o) = e {
+                    done.push(o);
+                    self.finish(done.last().expect("pushed"));
+                }
+            }
+        }
+        self.emit(done, out)
+    }
+
+    fn finish(&mut self, o: &Output) {
+        if let Some((g, _)) = self.requests.get(&o.id)
+            && let Some(group) = self.groups.get_mut(g)
+        {
+            group.remaining -= 1;
+        }
+    }
+
+    fn emit(&mut self, done: Vec<Output>, out: &mut Emitter) -> Result<(), StageError> {
+        if done.is_empty() {
+            return Ok(());
+        }
+        let tok = self.engine.tokenizer().expect("built with a tokenizer").clone();
+        let mut rows_out = Vec::with_capacity(done.len());
+        for o in done {
+            let Some((gid, index)) = self.requests.remove(&o.id) else {
+                continue;
+            };
+            let Some(group) = self.groups.get(&gid) else { continue };
+            let p = &group.prompt;
+            let rollout_id = format!("{gid}-{index}");
+            rows_out.push(RolloutRow {
+                run_id: p.run_id.clone(),
+                problem_id: p.problem_id.clone(),
+                group_id: gid.clone(),
+                sample_id: format!("{rollout_id}-t0"),
+                rollout_id,
+                env: p.env.clone(),
+                step: p.step,
+                sample_index: index,
+                group_size: p.group_size,
+                turn: 0,
+                prompt: p.prompt.clone(),
+                prompt_token_ids: p.prompt_token_ids.clone(),
+                completion: if o.text.is_empty() {
+                    tok.decode(&o.tokens).unwrap_or_default()
+                } else {
+                    o.text.clone()
+                },
+                loss_mask: vec![true; o.tokens.len()],
+                completion_token_ids: o.tokens,
+                completion_logprobs: o.logprobs,
+                completion_versions: o.versions,
+                finish_reason: o.finish_reason.as_str().to_string(),
+                tool_calls: vec![],
+                answer: p.answer.clone(),
+                info: p.info.clone(),
+                temperature: p.temperature,
+                started_at: o.started_at,
+                finished_at: o.finished_at,
+                created_at: now_ms(),
+            });
+        }
+        let finished: Vec<String> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| g.remaining == 0)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for gid in finished {
+            self.groups.remove(&gid);
+            out.release(gid);
+        }
+        out.emit(
+            self.out_topic.clone(),
+            RolloutRow::to_batch(&rows_out).map_err(|e| StageError::internal(e.to_string()))?,
+        );
+        Ok(())
+    }
+
+    fn load_policy(&mut self, p: &PolicyRow, out: &mut Emitter) {
+        if p.version <= self.engine.version() {
+            return;
+        }
+        let dir = uri_path(&p.uri);
+        let t0 = Instant::now();
+        match compute(|| self.engine.load_weights(&dir, p.version, Some(&p.sha256))) {
+            Ok(()) => {
+                tracing::debug!(stage = %self.ctx.instance(), version = p.version, ms = t0.elapsed().as_millis() as u64, "loaded policy");
+                if let Some((t, b)) = self.ctx.metrics(
+                    p.step,
+                    &[
+                        ("weight_load_ms", t0.elapsed().as_secs_f64() * 1e3),
+                        ("policy_version", p.version as f64),
+                    ],
+                ) {
+                    out.emit(t, b);
+                }
+            }
+            Err(e) => {
+                self.load_failures += 1;
+                tracing::warn!(stage = %self.ctx.instance(), version = p.version, error = %e, "policy load failed; the old weights keep serving");
+                if let Some((t, b)) = self
+                    .ctx
+                    .metrics(p.step, &[("weight_load_failures", self.load_failures as f64)])
+                {
+                    out.emit(t, b);
+                }
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Stage for RolloutStage {
+    async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
+        match input.schema {
+            SchemaId::Policy => {
+                if let Some(p) = rows::<PolicyRow>(&input.batch)?.into_iter().max_by_key(|p| p.version) {
+                    self.load_policy(&p, out);
+                }
+                Ok(())
+            }
+            SchemaId::Prompts => {
+                let prompts = rows::<PromptRow>(&input.batch)?;
+                let Some(first) = prompts.first() else { return Ok(()) };
+                // The runtime splits messages by key: one message is one group.
+                out.hold_as(first.group_id.clone());
+                for p in prompts {
+                    self.add_group(p)?;
+                }
+                let max = self.cfg.max_inflight_groups;
+                self.drive(out, |s| s.groups.len() < max)
+            }
+            SchemaId::Continuations => Err(StageError::user(
+                "continuations (multi-turn tool use) need a tool environment with a sandbox, which this build does not have yet",
+            )),
+            other => Err(StageError::user(format!("rollout does not consume `{other}` rows"))),
+        }
+    }
+
+    fn tick_interval(&self) -> Option<Duration> {
+        Some(Duration::from_millis(1))
+    }
+
+    async fn tick(&mut self, out: &mut Emitter) -> Result<(), StageError> {
+        let deadline = Instant::now() + Duration::from_millis(self.cfg.slice_ms);
+        self.drive(out, |_| Instant::now() >= deadline)
+    }
+
+    async fn close(&mut self, _out: &mut Emitter) -> Result<(), StageError> {
+        let s = self.engine.stats();
+        tracing::info!(stage = %self.ctx.instance(), generated = s.generated, decode_steps = s.decode_steps,
+            mean_batch = if s.decode_steps > 0 { s.batch_rows as f64 / s.decode_steps as f64 } else { 0.0 },
+            "engine stopped; unfinished groups stay unacknowledged and are generated again on restart");
+        Ok(())
+    }
+}

@@ -1,0 +1,418 @@
+//! The training core shared by the trainer stage and `streamrl sft`: first-fit-decreasing
+//! packing into micro-batches, gradient accumulation, the loss from ALGORITHM.md, one
+//! optimizer step per batch, and checkpoints with optimizer state.
+
+use std::path::Path;
+use std::time::Instant;
+
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor};
+use candle_nn::VarMap;
+use serde::{Deserialize, Serialize};
+use streamrl_model::config::HfConfig;
+use streamrl_model::loss::{self, LossInputs, LossKind};
+use streamrl_model::optim::{LrSchedule, Optimizer, OptimizerConfig};
+use streamrl_model::{Packed, Tokenizer, Transformer, checkpoint, masked_entropy, token_logprobs};
+
+/// The objective, as written in topology.yaml (`loss: {kind: masked_is, low: 0.5, ...}`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum LossConfig {
+    /// Double-sided masked importance sampling (the default).
+    MaskedIs {
+        /// Lower ratio bound.
+        #[serde(default = "d_low")]
+        low: f32,
+        /// Upper ratio bound.
+        #[serde(default = "d_high")]
+        high: f32,
+        /// Drop a sample whose smallest token ratio is below this.
+        #[serde(default)]
+        seq_low: Option<f32>,
+        /// Weight of the `(log r)²` penalty.
+        #[serde(default)]
+        kl_tau: f32,
+    },
+    /// PPO/GRPO clipped surrogate (DAPO with eps_low != eps_high).
+    Clipped {
+        /// 1 − eps_low clip.
+        eps_low: f32,
+        /// 1 + eps_high clip.
+        eps_high: f32,
+    },
+    /// GSPO: sequence-level ratio.
+    Gspo {
+        /// 1 − eps_low clip.
+        eps_low: f32,
+        /// 1 + eps_high clip.
+        eps_high: f32,
+    },
+    /// Truncated importance sampling.
+    Tis {
+        /// Truncation cap.
+        cap: f32,
+    },
+    /// Cross-entropy (SFT).
+    Sft,
+}
+
+fn d_low() -> f32 {
+    0.5
+}
+fn d_high() -> f32 {
+    5.0
+}
+
+impl Default for LossConfig {
+    fn default() -> Self {
+        LossConfig::MaskedIs {
+            low: 0.5,
+            high: 5.0,
+            seq_low: None,
+            kl_tau: 0.0,
+        }
+    }
+}
+
+impl From<LossConfig> for LossKind {
+    fn from(c: LossConfig) -> LossKind {
+        match c {
+            LossConfig::MaskedIs {
+                low,
+                high,
+                seq_low,
+                kl_tau,
+            } => LossKind::MaskedIs {
+                low,
+                high,
+                seq_low,
+                kl_tau,
+            },
+            LossConfig::Clipped { eps_low, eps_high } => LossKind::Clipped { eps_low, eps_high },
+            LossConfig::Gspo { eps_low, eps_high } => LossKind::Gspo { eps_low, eps_high },
+            LossConfig::Tis { cap } => LossKind::Tis { cap },
+            LossConfig::Sft => LossKind::Sft,
+        }
+    }
+}
+
+/// How to train.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// The objective.
+    pub loss: LossConfig,
+    /// Optimizer (AdamW or Muon+AdamW) and gradient clipping.
+    pub optimizer: OptimizerConfig,
+    /// Learning-rate schedule over optimizer steps.
+    pub lr: LrSchedule,
+    /// Tokens per packed row (samples are laid end to end up to this many).
+    pub pack_len: usize,
+    /// Tokens per micro-batch (rows × pack_len); gradients accumulate over micro-batches.
+    pub micro_batch_tokens: usize,
+    /// Temperature the trainer's logprobs are computed at (must match sampling).
+    pub temperature: f32,
+    /// Weight of the MoE load-balance loss (0 for dense models).
+    pub balance_coef: f32,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            loss: LossConfig::default(),
+            optimizer: OptimizerConfig::default(),
+            lr: LrSchedule::Constant { lr: 1e-4 },
+            pack_len: 256,
+            micro_batch_tokens: 4096,
+            temperature: 1.0,
+            balance_coef: 0.01,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Every invalid value.
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.pack_len == 0 {
+            p.push("pack_len must be at least 1".into());
+        }
+        if self.micro_batch_tokens < self.pack_len {
+            p.push(format!(
+                "micro_batch_tokens {} must be at least pack_len {}",
+                self.micro_batch_tokens, self.pack_len
+            ));
+        }
+        if !(self.temperature > 0.0 && self.temperature.is_finite()) {
+            p.push(format!("temperature {} must be positive", self.temperature));
+        }
+        if let LossConfig::MaskedIs { low, high, .. } = self.loss
+            && !(low > 0.0 && low < 1.0 && high > 1.0)
+        {
+            p.push(format!(
+                "loss: masked_is needs 0 < low < 1 < high, got low {low} high {high}"
+            ));
+        }
+        p
+    }
+}
+
+/// One sample to train on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainSample {
+    /// Prompt tokens (never trained on).
+    pub prompt: Vec<u32>,
+    /// Completion tokens.
+    pub completion: Vec<u32>,
+    /// Sampler logprob per completion token (ignored by SFT).
+    pub sampler_logprobs: Vec<f32>,
+    /// Per completion token: trainable or not.
+    pub loss_mask: Vec<bool>,
+    /// Advantage broadcast to every trainable token (ignored by SFT).
+    pub advantage: f32,
+}
+
+impl TrainSample {
+    fn len(&self) -> usize {
+        self.prompt.len() + self.completion.len()
+    }
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepReport {
+    /// Optimizer steps taken so far (this one included).
+    pub step: u64,
+    /// Loss (token-weighted over micro-batches).
+    pub loss: f32,
+    /// Fraction of trainable tokens masked below `low`.
+    pub masked_low: f32,
+    /// Fraction masked above `high`.
+    pub masked_high: f32,
+    /// Mismatch KL between trainer and sampler.
+    pub mismatch_kl: f32,
+    /// Clip fraction (clipped losses).
+    pub clip_fraction: f32,
+    /// Mean entropy of the trainer's next-token distributions on trainable tokens.
+    pub entropy: f32,
+    /// Gradient norm before clipping.
+    pub grad_norm: f32,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Samples trained.
+    pub samples: usize,
+    /// All tokens forwarded.
+    pub tokens: usize,
+    /// Trainable tokens.
+    pub trainable_tokens: usize,
+    /// Micro-batches.
+    pub micro_batches: usize,
+    /// Packed rows.
+    pub rows: usize,
+    /// Wall seconds.
+    pub seconds: f64,
+}
+
+/// Packs sample indices first-fit-decreasing into rows of at most `cap` tokens (a longer
+/// sample gets a row of its own).
+pub fn pack_ffd(lens: &[usize], cap: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lens.len()).collect();
+    order.sort_by(|a, b| lens[*b].cmp(&lens[*a]).then(a.cmp(b)));
+    let mut rows: Vec<(usize, Vec<usize>)> = Vec::new();
+    for i in order {
+        match rows.iter_mut().find(|(used, _)| used + lens[i] <= cap) {
+            Some((used, r)) => {
+                *used += lens[i];
+                r.push(i);
+            }
+            None => rows.push((lens[i], vec![i])),
+        }
+    }
+    rows.into_iter().map(|(_, r)| r).collect()
+}
+
+/// A trainable policy with its optimizer.
+pub struct Learner {
+    /// config.json.
+    pub hf: HfConfig,
+    /// Trainable variables.
+    pub vars: VarMap,
+    /// The model over `vars`.
+    pub model: Transformer,
+    /// Tokenizer saved with every checkpoint.
+    pub tokenizer: Option<Tokenizer>,
+    opt: Optimizer,
+    cfg: TrainConfig,
+}
+
+impl Learner {
+    /// Loads a checkpoint directory, and its optimizer state when the directory has one.
+    pub fn load(dir: &Path, cfg: TrainConfig) -> streamrl_model::Result<Self> {
+        let l = checkpoint::load(dir, &Device::Cpu)?;
+        let mut opt = Optimizer::new(&l.vars, cfg.optimizer.clone())?;
+        if dir.join("optimizer.json").exists() {
+            opt.load(dir)?;
+        }
+        Ok(Learner {
+            hf: l.hf,
+            vars: l.vars,
+            model: l.model,
+            tokenizer: l.tokenizer,
+            opt,
+            cfg,
+        })
+    }
+
+    /// Optimizer steps taken.
+    pub fn steps(&self) -> u64 {
+        self.opt.steps()
+    }
+
+    /// Writes the checkpoint (HF layout) and the optimizer state to `dir`; returns the
+    /// weights' SHA-256.
+    pub fn save(&self, dir: &Path) -> streamrl_model::Result<String> {
+        let sha = checkpoint::save(dir, &self.hf, &self.vars, self.tokenizer.as_ref(), None)?;
+        self.opt.save(dir)?;
+        Ok(sha)
+    }
+
+    /// One optimizer step over `samples`: packed, forwarded in micro-batches with gradients
+    /// accumulated, normalised by the batch's trainable tokens.
+    pub fn step(&mut self, samples: &[TrainSample]) -> streamrl_model::Result<StepReport> {
+        let t0 = Instant::now();
+        let kind: LossKind = self.cfg.loss.into();
+        let ctx = self.model.config().max_positions;
+        for (i, s) in samples.iter().enumerate() {
+            if s.len() > ctx || s.loss_mask.len() != s.completion.len() {
+                return Err(streamrl_model::Error::Shape(format!(
+                    "sample {i}: {} tokens (context {ctx}), {} completion tokens, {} mask values",
+                    s.len(),
+                    s.completion.len(),
+                    s.loss_mask.len()
+                )));
+            }
+        }
+        let total_trainable: usize = samples.iter().map(|s| s.loss_mask.iter().filter(|m| **m).count()).sum();
+        let lens: Vec<usize> = samples.iter().map(TrainSample::len).collect();
+        let rows = pack_ffd(&lens, self.cfg.pack_len);
+        let rows_per_mb = (self.cfg.micro_batch_tokens / self.cfg.pack_len.max(1)).max(1);
+        let mut report = StepReport {
+            samples: samples.len(),
+            tokens: lens.iter().sum(),
+            trainable_tokens: total_trainable,
+            rows: rows.len(),
+            ..Default::default()
+        };
+        let mut grads: Option<GradStore> = None;
+        let denom = total_trainable.max(1) as f32;
+        for mb in rows.chunks(rows_per_mb) {
+            report.micro_batches += 1;
+            let seqs: Vec<Vec<Vec<u32>>> = mb
+                .iter()
+                .map(|r| {
+                    r.iter()
+                        .map(|&i| {
+                            samples[i]
+                                .prompt
+                                .iter()
+                                .chain(&samples[i].completion)
+                                .copied()
+                                .collect()
+                        })
+                        .collect()
+                })
+                .collect();
+            let packed = Packed::new(&seqs, &Device::Cpu)?;
+            let (logits, aux) = self.model.forward(&packed)?;
+            let lp = token_logprobs(&logits, &packed.tokens, self.cfg.temperature as f64)?.flatten_all()?;
+            let order: Vec<usize> = mb.iter().flatten().copied().collect();
+            let (mut idx, mut sampler, mut adv, mut mask, mut spans) = (vec![], vec![], vec![], vec![], vec![]);
+            let mut ent_mask = vec![0f32; packed.tokens.elem_count()];
+            for (&i, &(row, start, _len)) in order.iter().zip(&packed.spans) {
+                let s = &samples[i];
+                let base = row * packed.width + start + s.prompt.len();
+                spans.push((idx.len(), s.completion.len()));
+                for k in 0..s.completion.len() {
+                    idx.push((base + k) as u32);
+                    sampler.push(s.sampler_logprobs.get(k).copied().unwrap_or(0.0));
+                    adv.push(s.advantage);
+                    let m = if s.loss_mask[k] { 1.0 } else { 0.0 };
+                    mask.push(m);
+                    ent_mask[base + k] = m;
+                }
+            }
+            let mb_trainable: f32 = mask.iter().sum();
+            if idx.is_empty() {
+                continue;
+            }
+            let lp = lp.index_select(&Tensor::new(idx.as_slice(), &Device::Cpu)?, 0)?;
+            let (l, m) = loss::compute(
+                kind,
+                LossInputs {
+                    logprobs: &lp,
+                    sampler: &sampler,
+                    advantages: &adv,
+                    mask: &mask,
+                    spans: &spans,
+                },
+            )?;
+            let w = mb_trainable / denom;
+            let total = ((l * w as f64)? + (aux.balance_loss * self.cfg.balance_coef as f64)?)?;
+            let g = total.backward()?;
+            let ent = masked_entropy(
+                &logits,
+                &Tensor::from_vec(ent_mask, packed.tokens.dims(), &Device::Cpu)?,
+                self.cfg.temperature as f64,
+            )?;
+            report.loss += m.loss * w;
+            report.masked_low += m.masked_low * w;
+            report.masked_high += m.masked_high * w;
+            report.mismatch_kl += m.mismatch_kl * w;
+            report.clip_fraction += m.clip_fraction * w;
+            report.entropy += ent * w;
+            grads = Some(match grads {
+                None => g,
+                Some(mut acc) => {
+                    for var in self.vars.all_vars() {
+                        if let Some(new) = g.get(var.as_tensor()) {
+                            let sum = match acc.get(var.as_tensor()) {
+                                Some(old) => (old + new)?,
+                                None => new.clone(),
+                            };
+                            acc.insert(var.as_tensor(), sum);
+                        }
+                    }
+                    acc
+                }
+            });
+        }
+        let lr = self.cfg.lr.lr(self.opt.steps());
+        if let Some(g) = grads {
+            let stats = self.opt.step(&g, lr)?;
+            report.grad_norm = stats.grad_norm;
+        }
+        report.lr = lr;
+        report.step = self.opt.steps();
+        report.seconds = t0.elapsed().as_secs_f64();
+        Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ffd_packs_longest_first_into_the_first_row_with_room() {
+        let rows = pack_ffd(&[5, 9, 3, 7, 2, 12], 10);
+        assert_eq!(rows, vec![vec![5], vec![1], vec![3, 2], vec![0, 4]]);
+        let lens = [5, 9, 3, 7, 2, 12];
+        for r in &rows {
+            let used: usize = r.iter().map(|i| lens[*i]).sum();
+            assert!(used <= 10 || r.len() == 1);
+        }
+        let mut all: Vec<usize> = rows.concat();
+        all.sort();
+        assert_eq!(all, (0..6).collect::<Vec<_>>());
+    }
+}

@@ -1,0 +1,369 @@
+//! The trainer stage: assembles step batches from `samples`, drops stale samples, takes one
+//! optimizer step per batch, writes each policy version atomically to the checkpoint store
+//! and publishes it on `policy`, with per-step metrics on `metrics`.
+//!
+//! A step batch is `groups_per_step` groups (the mask stage sends each group whole, one
+//! message per group). Groups filtered for zero reward variance arrive with no trainable
+//! token: they count toward the batch but are not trained on. A sample whose oldest token
+//! comes from a policy older than `version − max_off_policy_steps` is dropped and counted.
+//!
+//! Restarts: each version is written to `checkpoints/step-NNNNNN/` (weights, tokenizer,
+//! optimizer state, and `trainer_state.json` last, with the ids of every sample consumed);
+//! the stage resumes from the newest complete one, skips samples it already consumed, and
+//! holds its inputs until the checkpoint that includes them is on disk, so a crash neither
+//! loses nor repeats a sample.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use streamrl_runtime::{Emitter, Input, Stage, StageError};
+use streamrl_schemas::{PolicyRow, SampleRow, SchemaId, TopicRow};
+
+use crate::train::{Learner, StepReport, TrainConfig, TrainSample};
+use crate::{Ctx, compute, now_ms, rows};
+
+/// Configuration of the trainer stage.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainerConfig {
+    /// The initial policy (HF checkpoint directory), version 0.
+    pub checkpoint: PathBuf,
+    /// Groups per step batch (must equal the source's).
+    pub groups_per_step: usize,
+    /// Drop samples whose oldest token is more than this many versions old.
+    pub max_off_policy_steps: u64,
+    /// Stop training after this many versions (`null`: never).
+    pub max_steps: Option<u64>,
+    /// Keep the newest this many checkpoints...
+    pub keep_last: usize,
+    /// ...plus every version divisible by this (0: none).
+    pub keep_every: u64,
+    /// Loss, optimizer, learning rate and packing.
+    pub train: TrainConfig,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        TrainerConfig {
+            checkpoint: PathBuf::new(),
+            groups_per_step: 4,
+            max_off_policy_steps: 8,
+            max_steps: None,
+            keep_last: 3,
+            keep_every: 0,
+            train: TrainConfig::default(),
+        }
+    }
+}
+
+impl TrainerConfig {
+    /// Every invalid value.
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.checkpoint.as_os_str().is_empty() {
+            p.push("checkpoint: required (the initial policy)".into());
+        }
+        if self.groups_per_step == 0 {
+            p.push("groups_per_step must be at least 1".into());
+        }
+        if self.keep_last == 0 {
+            p.push("keep_last must be at least 1 (rollout replicas load the newest)".into());
+        }
+        p.extend(self.train.problems().into_iter().map(|e| format!("train.{e}")));
+        p
+    }
+}
+
+/// What the trainer persists with each checkpoint.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct TrainerState {
+    version: u64,
+    consumed: Vec<String>,
+}
+
+/// The trainer stage.
+pub struct TrainerStage {
+    cfg: TrainerConfig,
+    ctx: Ctx,
+    learner: Learner,
+    store: PathBuf,
+    policy_topic: String,
+    version: u64,
+    current: PolicyRow,
+    consumed: HashSet<String>,
+    consumed_order: Vec<String>,
+    buffer: BTreeMap<String, Vec<SampleRow>>,
+    duplicates: u64,
+}
+
+impl std::fmt::Debug for TrainerStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrainerStage").field("cfg", &self.cfg).finish()
+    }
+}
+
+/// The newest complete checkpoint in a store (`step-N` with `trainer_state.json`).
+pub fn latest_checkpoint(store: &Path) -> Option<(u64, PathBuf)> {
+    std::fs::read_dir(store)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let v = name.strip_prefix("step-")?.parse::<u64>().ok()?;
+            e.path().join("trainer_state.json").exists().then(|| (v, e.path()))
+        })
+        .max_by_key(|(v, _)| *v)
+}
+
+fn abs(p: &Path) -> PathBuf {
+    std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
+}
+
+impl TrainerStage {
+    /// Builds the stage: resumes from the newest checkpoint in `run_dir/checkpoints`, or
+    /// starts from `checkpoint`.
+    pub fn build(cfg: TrainerConfig, ctx: Ctx) -> Result<Self, Vec<String>> {
+        let mut errs = cfg.problems();
+        let policy = ctx.require_output(SchemaId::Policy);
+        if let Err(e) = &policy {
+            errs.extend(e.clone());
+        }
+        if !errs.is_empty() {
+            return Err(errs);
+        }
+        let store = ctx.run_dir.join("checkpoints");
+        let (dir, state) = match latest_checkpoint(&store) {
+            Some((_, dir)) => {
+                let path = dir.join("trainer_state.json");
+                let state: TrainerState = std::fs::read(&path)
+                    .map_err(|e| e.to_string())
+                    .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
+                    .map_err(|e| vec![format!("resuming from {}: {e}", path.display())])?;
+                tracing::info!(version = state.version, dir = %dir.display(), "trainer resumes");
+                (dir, state)
+            }
+            None => (cfg.checkpoint.clone(), TrainerState::default()),
+        };
+        let learner =
+            Learner::load(&dir, cfg.train.clone()).map_err(|e| vec![format!("checkpoint {}: {e}", dir.display())])?;
+        let sha = streamrl_model::checkpoint::weights_sha256(&dir).map_err(|e| vec![e.to_string()])?;
+        let current = PolicyRow {
+            run_id: ctx.run_id.clone(),
+            version: state.version as u32,
+            step: state.version,
+            uri: format!("file://{}", abs(&dir).display()),
+            sha256: sha,
+            created_at: now_ms(),
+        };
+        Ok(TrainerStage {
+            consumed: state.consumed.iter().cloned().collect(),
+            consumed_order: state.consumed,
+            version: state.version,
+            current,
+            cfg,
+            ctx,
+            learner,
+            store,
+            policy_topic: policy.expect("checked"),
+            buffer: BTreeMap::new(),
+            duplicates: 0,
+        })
+    }
+
+    /// The policy version published last.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    fn done(&self) -> bool {
+        self.cfg.max_steps.is_some_and(|m| self.version >= m)
+    }
+
+    fn publish(&self, out: &mut Emitter) -> Result<(), StageError> {
+        out.emit(
+            self.policy_topic.clone(),
+            PolicyRow::to_batch(std::slice::from_ref(&self.current))
+                .map_err(|e| StageError::internal(e.to_string()))?,
+        );
+        Ok(())
+    }
+
+    fn train_step(&mut self, out: &mut Emitter) -> Result<(), StageError> {
+        let groups = std::mem::take(&mut self.buffer);
+        let all: Vec<SampleRow> = groups.into_values().flatten().collect();
+        let version = self.version;
+        let oldest_ok = version.saturating_sub(self.cfg.max_off_policy_steps);
+        let mut staleness: BTreeMap<u64, u64> = BTreeMap::new();
+        let (mut stale, mut filtered_samples) = (0u64, 0u64);
+        let mut train = Vec::new();
+        for s in &all {
+            let oldest = s.completion_versions.iter().copied().min().unwrap_or(version as u32) as u64;
+            *staleness.entry(version.saturating_sub(oldest)).or_default() += 1;
+            if !s.loss_mask.iter().any(|m| *m) {
+                filtered_samples += 1;
+                continue;
+            }
+            if oldest < oldest_ok {
+                stale += 1;
+                continue;
+            }
+            train.push(TrainSample {
+                prompt: s.prompt_token_ids.clone(),
+                completion: s.completion_token_ids.clone(),
+                sampler_logprobs: s.completion_logprobs.clone(),
+                loss_mask: s.loss_mask.clone(),
+                advantage: s.advantage,
+            });
+        }
+        let report = if train.is_empty() {
+            StepReport::default()
+        } else {
+            compute(|| self.learner.step(&train)).map_err(|e| StageError::internal(format!("train step: {e}")))?
+        };
+        self.version += 1;
+        for s in &all {
+            self.consumed.insert(s.sample_id.clone());
+            self.consumed_order.push(s.sample_id.clone());
+        }
+        let dir = self.store.join(format!("step-{:06}", self.version));
+        let sha =
+            compute(|| self.save(&dir)).map_err(|e| StageError::internal(format!("saving {}: {e}", dir.display())))?;
+        self.current = PolicyRow {
+            run_id: self.ctx.run_id.clone(),
+            version: self.version as u32,
+            step: self.version,
+            uri: format!("file://{}", abs(&dir).display()),
+            sha256: sha,
+            created_at: now_ms(),
+        };
+        self.publish(out)?;
+        self.retain();
+        let n = all.len().max(1) as f64;
+        let rewards: Vec<f64> = all.iter().map(|s| s.reward as f64).collect();
+        let reward_mean = rewards.iter().sum::<f64>() / n;
+        let adv: Vec<f64> = all
+            .iter()
+            .filter(|s| s.loss_mask.iter().any(|m| *m))
+            .map(|s| s.advantage as f64)
+            .collect();
+        let adv_mean = adv.iter().sum::<f64>() / adv.len().max(1) as f64;
+        let adv_std = (adv.iter().map(|a| (a - adv_mean).powi(2)).sum::<f64>() / adv.len().max(1) as f64).sqrt();
+        let len_mean = all.iter().map(|s| s.completion_token_ids.len() as f64).sum::<f64>() / n;
+        let mut m: Vec<(String, f64)> = vec![
+            ("loss".into(), report.loss as f64),
+            ("masked_low".into(), report.masked_low as f64),
+            ("masked_high".into(), report.masked_high as f64),
+            ("mismatch_kl".into(), report.mismatch_kl as f64),
+            ("clip_fraction".into(), report.clip_fraction as f64),
+            ("entropy".into(), report.entropy as f64),
+            ("grad_norm".into(), report.grad_norm as f64),
+            ("lr".into(), report.lr),
+            ("reward_mean".into(), reward_mean),
+            ("advantage_mean".into(), adv_mean),
+            ("advantage_std".into(), adv_std),
+            ("completion_len_mean".into(), len_mean),
+            ("samples".into(), all.len() as f64),
+            ("samples_trained".into(), train.len() as f64),
+            ("samples_dropped_stale".into(), stale as f64),
+            ("samples_filtered".into(), filtered_samples as f64),
+            ("samples_duplicate".into(), self.duplicates as f64),
+            ("trainable_tokens".into(), report.trainable_tokens as f64),
+            ("micro_batches".into(), report.micro_batches as f64),
+            ("step_seconds".into(), report.seconds),
+            (
+                "tokens_per_s".into(),
+                if report.seconds > 0.0 {
+                    report.tokens as f64 / report.seconds
+                } else {
+                    0.0
+                },
+            ),
+        ];
+        for (k, c) in &staleness {
+            m.push((format!("staleness_{k}"), *c as f64));
+        }
+        let refs: Vec<(&str, f64)> = m.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        if let Some((t, b)) = self.ctx.metrics(self.version, &refs) {
+            out.emit(t, b);
+        }
+        tracing::debug!(stage = %self.ctx.instance(), version = self.version, loss = report.loss, reward = reward_mean,
+            trained = train.len(), stale, seconds = report.seconds, "step");
+        Ok(())
+    }
+
+    fn save(&self, dir: &Path) -> Result<String, String> {
+        let sha = self.learner.save(dir).map_err(|e| e.to_string())?;
+        let state = TrainerState {
+            version: self.version,
+            consumed: self.consumed_order.clone(),
+        };
+        let tmp = dir.join("trainer_state.json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec(&state).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+        std::fs::rename(&tmp, dir.join("trainer_state.json")).map_err(|e| e.to_string())?;
+        Ok(sha)
+    }
+
+    fn retain(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.store) else {
+            return;
+        };
+        let mut versions: Vec<(u64, PathBuf)> = entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let v = e
+                    .file_name()
+                    .to_string_lossy()
+                    .strip_prefix("step-")?
+                    .parse::<u64>()
+                    .ok()?;
+                Some((v, e.path()))
+            })
+            .collect();
+        versions.sort();
+        let n = versions.len();
+        for (i, (v, path)) in versions.into_iter().enumerate() {
+            let keep =
+                i + self.cfg.keep_last >= n || (self.cfg.keep_every > 0 && v.is_multiple_of(self.cfg.keep_every));
+            if !keep {
+                let _ = std::fs::remove_dir_all(&path);
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Stage for TrainerStage {
+    async fn start(&mut self, out: &mut Emitter) -> Result<(), StageError> {
+        // Announce the version serving now (a resumed trainer's newest checkpoint).
+        self.publish(out)
+    }
+
+    async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
+        let samples = rows::<SampleRow>(&input.batch)?;
+        if self.done() {
+            // Past max_steps: leave the input unacknowledged for a later run to train on.
+            out.hold();
+            return Ok(());
+        }
+        for s in samples {
+            if self.consumed.contains(&s.sample_id)
+                || self
+                    .buffer
+                    .get(&s.group_id)
+                    .is_some_and(|g| g.iter().any(|x| x.sample_id == s.sample_id))
+            {
+                self.duplicates += 1;
+                continue;
+            }
+            self.buffer.entry(s.group_id.clone()).or_default().push(s);
+        }
+        out.hold();
+        if self.buffer.len() >= self.cfg.groups_per_step {
+            self.train_step(out)?;
+            out.release_held();
+        }
+        Ok(())
+    }
+}

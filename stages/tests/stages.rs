@@ -1,0 +1,447 @@
+//! Each stage driven directly (process / tick / start), outputs inspected.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::Device;
+use streamrl_model::{Tokenizer, checkpoint, config};
+use streamrl_runtime::{Emitter, Input, Stage};
+use streamrl_schemas::{PolicyRow, PromptRow, RolloutRow, SampleRow, SchemaId, ScoredRow, TopicRow};
+use streamrl_stages::mask::{MaskConfig, MaskStage};
+use streamrl_stages::reward::{RewardConfig, RewardStage};
+use streamrl_stages::rollout::{RolloutConfig, RolloutStage};
+use streamrl_stages::sandbox::pass_through;
+use streamrl_stages::source::{SourceConfig, SourceStage};
+use streamrl_stages::trainer::{TrainerConfig, TrainerStage};
+use streamrl_stages::{Ctx, build_envs};
+
+fn tiny(dir: &Path, seed: u64) -> String {
+    let tok = Tokenizer::char_level();
+    let hf = config::preset("tiny", tok.vocab_size()).unwrap();
+    let l = checkpoint::init_seeded(&hf, &Device::Cpu, Some(seed)).unwrap();
+    checkpoint::save(dir, &hf, &l.vars, Some(&tok), None).unwrap()
+}
+
+fn ctx(stage: &str, run_dir: &Path, outputs: &[(&str, SchemaId)]) -> Ctx {
+    let envs: serde_yaml::Value = serde_yaml::from_str("arith: {weight: 1}").unwrap();
+    Ctx {
+        run_id: "test".into(),
+        run_dir: run_dir.to_path_buf(),
+        stage: stage.into(),
+        replica: 0,
+        outputs: outputs.iter().map(|(n, s)| (n.to_string(), *s)).collect(),
+        envs: build_envs(&envs).unwrap().map(Arc::new),
+    }
+}
+
+fn batches<T: TopicRow>(out: &mut Emitter, topic: &str) -> Vec<T> {
+    out.drain()
+        .into_iter()
+        .filter(|(t, _)| t == topic)
+        .flat_map(|(_, b)| T::from_batch(&b).unwrap())
+        .collect()
+}
+
+fn input<T: TopicRow>(topic: &str, rows: &[T]) -> Input {
+    Input::new(topic, T::SCHEMA, T::to_batch(rows).unwrap())
+}
+
+fn rollout_row(group: &str, i: u32, size: u32) -> RolloutRow {
+    RolloutRow {
+        run_id: "test".into(),
+        problem_id: "p".into(),
+        group_id: group.into(),
+        rollout_id: format!("{group}-{i}"),
+        sample_id: format!("{group}-{i}-t0"),
+        env: "arith".into(),
+        step: 0,
+        sample_index: i,
+        group_size: size,
+        turn: 0,
+        prompt: "1+1=".into(),
+        prompt_token_ids: vec![21, 15, 21, 33],
+        completion: "2\n".into(),
+        completion_token_ids: vec![22, 4, 2],
+        completion_logprobs: vec![-0.5, -0.25, -0.1],
+        completion_versions: vec![0, 0, 0],
+        loss_mask: vec![true, true, true],
+        finish_reason: "stop".into(),
+        tool_calls: vec![],
+        answer: Some("2".into()),
+        info: None,
+        temperature: 1.0,
+        started_at: 0,
+        finished_at: 0,
+        created_at: 0,
+    }
+}
+
+fn scored(group: &str, i: u32, size: u32, reward: f32) -> ScoredRow {
+    let e = pass_through(rollout_row(group, i, size));
+    let envs = build_envs(&serde_yaml::from_str("arith: {}").unwrap())
+        .unwrap()
+        .unwrap();
+    let mut s = streamrl_stages::reward::score(&envs, e).unwrap();
+    s.reward = reward;
+    s
+}
+
+#[tokio::test]
+async fn reward_scores_with_the_environment_rubric_and_refuses_unknown_environments() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut stage = RewardStage::build(
+        RewardConfig::default(),
+        ctx("reward", dir.path(), &[("scored", SchemaId::Scored)]),
+    )
+    .unwrap();
+    let good = pass_through(rollout_row("g", 0, 2));
+    let mut wrong = good.clone();
+    wrong.completion = "3\n".into();
+    wrong.sample_id = "other".into();
+    let mut out = Emitter::default();
+    stage
+        .process(input("executed", &[good, wrong.clone()]), &mut out)
+        .await
+        .unwrap();
+    let rows: Vec<ScoredRow> = batches(&mut out, "scored");
+    assert_eq!(rows.iter().map(|r| r.reward).collect::<Vec<_>>(), vec![1.0, 0.0]);
+    assert_eq!(rows[1].reward_components[0].name, "exact_match");
+    assert_eq!(rows[1].reward_components[0].reason, "3 != 2");
+    let mut unknown = wrong;
+    unknown.env = "chess".into();
+    let err = stage
+        .process(input("executed", &[unknown]), &mut out)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("`chess`"), "{err}");
+}
+
+#[tokio::test]
+async fn mask_waits_for_the_whole_group_dedups_and_filters_groups_without_signal() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut stage = MaskStage::build(
+        MaskConfig::default(),
+        ctx("mask", dir.path(), &[("samples", SchemaId::Samples)]),
+    )
+    .unwrap();
+    let mut out = Emitter::default();
+    for (i, r) in [1.0, 0.0, 0.0].into_iter().enumerate() {
+        stage
+            .process(input("scored", &[scored("g1", i as u32, 4, r)]), &mut out)
+            .await
+            .unwrap();
+        assert_eq!(out.holding(), Some(Some("g1")));
+        assert!(out.drain().is_empty(), "group emitted before it was whole");
+    }
+    // A redelivered sample is not a new one.
+    stage
+        .process(input("scored", &[scored("g1", 2, 4, 0.0)]), &mut out)
+        .await
+        .unwrap();
+    assert!(out.drain().is_empty());
+    let mut out = Emitter::default();
+    stage
+        .process(input("scored", &[scored("g1", 3, 4, 1.0)]), &mut out)
+        .await
+        .unwrap();
+    assert_eq!(out.released(), ["g1".to_string()]);
+    let s: Vec<SampleRow> = batches(&mut out, "samples");
+    assert_eq!(s.len(), 4);
+    assert_eq!(
+        s.iter().map(|r| r.advantage).collect::<Vec<_>>(),
+        vec![0.5, -0.5, -0.5, 0.5]
+    );
+    assert!(s.iter().all(|r| r.loss_mask == vec![true; 3]));
+    assert_eq!(stage.counts().duplicates, 1);
+
+    // All rewards equal: the group goes on untrainable, counted.
+    let mut out = Emitter::default();
+    for i in 0..2 {
+        stage
+            .process(input("scored", &[scored("g2", i, 2, 1.0)]), &mut out)
+            .await
+            .unwrap();
+    }
+    let s: Vec<SampleRow> = batches(&mut out, "samples");
+    assert_eq!(s.len(), 2);
+    assert!(s.iter().all(|r| r.advantage == 0.0 && r.loss_mask.iter().all(|m| !m)));
+    assert_eq!(stage.counts().groups_filtered, 1);
+
+    // A sample of a group already emitted is a duplicate, acknowledged without output.
+    let mut out = Emitter::default();
+    stage
+        .process(input("scored", &[scored("g1", 0, 4, 1.0)]), &mut out)
+        .await
+        .unwrap();
+    assert_eq!(out.holding(), None);
+    assert!(out.drain().is_empty());
+}
+
+#[tokio::test]
+async fn source_admits_groups_only_within_the_async_level_and_resumes_its_position() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    tiny(&ckpt, 0);
+    let cfg = SourceConfig {
+        checkpoint: ckpt.clone(),
+        group_size: 4,
+        groups_per_step: 3,
+        max_async_level: 1,
+        max_steps: Some(4),
+        ..Default::default()
+    };
+    let c = ctx("source", dir.path(), &[("prompts", SchemaId::Prompts)]);
+    let mut stage = SourceStage::build(cfg.clone(), c.clone()).unwrap();
+    let mut out = Emitter::default();
+    stage.start(&mut out).await.unwrap();
+    let first: Vec<PromptRow> = batches(&mut out, "prompts");
+    // Version 0 and async level 1: steps 0 and 1, three groups each.
+    assert_eq!(first.iter().map(|p| p.step).collect::<Vec<_>>(), vec![0, 0, 0, 1, 1, 1]);
+    assert!(
+        first
+            .iter()
+            .all(|p| p.group_size == 4 && !p.prompt_token_ids.is_empty())
+    );
+    stage.tick(&mut out).await.unwrap();
+    assert!(out.drain().is_empty(), "admitted past the async level");
+    let policy = |v: u32| PolicyRow {
+        run_id: "test".into(),
+        version: v,
+        step: v as u64,
+        uri: String::new(),
+        sha256: String::new(),
+        created_at: 0,
+    };
+    stage.process(input("policy", &[policy(1)]), &mut out).await.unwrap();
+    let second: Vec<PromptRow> = batches(&mut out, "prompts");
+    assert_eq!(second.iter().map(|p| p.step).collect::<Vec<_>>(), vec![2, 2, 2]);
+    // A restarted source continues where the snapshot says.
+    let snap = stage.snapshot().unwrap();
+    let mut again = SourceStage::build(cfg, c).unwrap();
+    again.restore(&snap).unwrap();
+    again.process(input("policy", &[policy(5)]), &mut out).await.unwrap();
+    let third: Vec<PromptRow> = batches(&mut out, "prompts");
+    assert_eq!(
+        third.iter().map(|p| p.step).collect::<Vec<_>>(),
+        vec![3, 3, 3],
+        "max_steps 4 stops at step 3"
+    );
+    let ids: std::collections::HashSet<_> = first
+        .iter()
+        .chain(&second)
+        .chain(&third)
+        .map(|p| p.group_id.clone())
+        .collect();
+    assert_eq!(ids.len(), 12);
+}
+
+fn prompt(group: &str, size: u32) -> PromptRow {
+    let tok = Tokenizer::char_level();
+    PromptRow {
+        run_id: "test".into(),
+        problem_id: "p".into(),
+        group_id: group.into(),
+        env: "arith".into(),
+        step: 0,
+        group_size: size,
+        prompt: "12+30=".into(),
+        prompt_token_ids: tok.encode("12+30=").unwrap(),
+        answer: Some("42".into()),
+        info: None,
+        temperature: 1.0,
+        max_tokens: 6,
+        created_at: 0,
+    }
+}
+
+#[tokio::test]
+async fn rollout_generates_whole_groups_and_swaps_policies_that_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let v0 = dir.path().join("v0");
+    let v1 = dir.path().join("v1");
+    tiny(&v0, 0);
+    let sha1 = tiny(&v1, 1);
+    let cfg = RolloutConfig {
+        checkpoint: v0,
+        max_inflight_groups: 1,
+        ..Default::default()
+    };
+    let mut stage = RolloutStage::build(cfg, ctx("rollout", dir.path(), &[("rollouts", SchemaId::Rollouts)])).unwrap();
+    let mut out = Emitter::default();
+    // One group in flight at most: process drives the engine until the group is done.
+    stage
+        .process(input("prompts", &[prompt("g1", 4)]), &mut out)
+        .await
+        .unwrap();
+    assert_eq!(out.holding(), Some(Some("g1")));
+    assert_eq!(out.released(), ["g1".to_string()]);
+    let rows: Vec<RolloutRow> = batches(&mut out, "rollouts");
+    assert_eq!(rows.len(), 4);
+    for (i, r) in rows.iter().enumerate() {
+        assert_eq!(r.rollout_id, format!("g1-{}", r.sample_index), "row {i}");
+        assert_eq!(r.completion_token_ids.len(), r.completion_logprobs.len());
+        assert_eq!(r.completion_versions, vec![0; r.completion_token_ids.len()]);
+        assert!(r.completion_logprobs.iter().all(|l| *l <= 0.0));
+        assert!(r.finish_reason == "stop" || r.finish_reason == "length");
+    }
+    // A policy whose checksum does not match is refused; the old weights keep serving.
+    let bad = PolicyRow {
+        run_id: "test".into(),
+        version: 1,
+        step: 1,
+        uri: format!("file://{}", v1.display()),
+        sha256: "0".repeat(64),
+        created_at: 0,
+    };
+    let mut out = Emitter::default();
+    stage
+        .process(input("policy", std::slice::from_ref(&bad)), &mut out)
+        .await
+        .unwrap();
+    assert_eq!(stage.version(), 0);
+    let good = PolicyRow { sha256: sha1, ..bad };
+    stage.process(input("policy", &[good]), &mut out).await.unwrap();
+    assert_eq!(stage.version(), 1);
+    stage
+        .process(input("prompts", &[prompt("g2", 2)]), &mut out)
+        .await
+        .unwrap();
+    let rows: Vec<RolloutRow> = batches(&mut out, "rollouts");
+    assert_eq!(rows.len(), 2);
+    assert!(rows.iter().all(|r| r.completion_versions.iter().all(|v| *v == 1)));
+}
+
+fn sample(group: &str, i: u32, reward: f32, adv: f32, version: u32) -> SampleRow {
+    SampleRow {
+        run_id: "test".into(),
+        problem_id: "p".into(),
+        group_id: group.into(),
+        rollout_id: format!("{group}-{i}"),
+        sample_id: format!("{group}-{i}-t0"),
+        env: "arith".into(),
+        step: 0,
+        turn: 0,
+        prompt_token_ids: vec![21, 15, 21, 33],
+        completion_token_ids: vec![22, 4, 2],
+        completion_logprobs: vec![-3.0, -4.0, -4.5],
+        completion_versions: vec![version; 3],
+        loss_mask: vec![true; 3],
+        finish_reason: "stop".into(),
+        reward,
+        advantage: adv,
+        created_at: 0,
+    }
+}
+
+fn trainer(run_dir: &Path, ckpt: PathBuf) -> TrainerStage {
+    let cfg = TrainerConfig {
+        checkpoint: ckpt,
+        groups_per_step: 2,
+        max_off_policy_steps: 1,
+        ..Default::default()
+    };
+    TrainerStage::build(
+        cfg,
+        ctx(
+            "trainer",
+            run_dir,
+            &[("policy", SchemaId::Policy), ("metrics", SchemaId::Metrics)],
+        ),
+    )
+    .unwrap()
+}
+
+fn metric(rows: &[streamrl_schemas::MetricRow], name: &str) -> f64 {
+    rows.iter()
+        .find(|r| r.name == name)
+        .unwrap_or_else(|| panic!("no metric {name}"))
+        .value
+}
+
+#[tokio::test]
+async fn trainer_steps_per_batch_publishes_versions_and_resumes_without_repeating_samples() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("init");
+    tiny(&ckpt, 0);
+    let mut t = trainer(dir.path(), ckpt.clone());
+    let mut out = Emitter::default();
+    t.start(&mut out).await.unwrap();
+    let v0: Vec<PolicyRow> = batches(&mut out, "policy");
+    assert_eq!(v0[0].version, 0);
+
+    let g1: Vec<SampleRow> = (0..2).map(|i| sample("g1", i, i as f32, i as f32 - 0.5, 0)).collect();
+    t.process(input("samples", &g1), &mut out).await.unwrap();
+    assert_eq!(out.holding(), Some(None));
+    assert!(out.drain().is_empty(), "stepped before the batch was full");
+    t.process(input("samples", &g1), &mut out).await.unwrap();
+    assert!(out.drain().is_empty(), "a duplicate group counted toward the batch");
+    let g2: Vec<SampleRow> = (0..2).map(|i| sample("g2", i, i as f32, i as f32 - 0.5, 0)).collect();
+    let mut out = Emitter::default();
+    t.process(input("samples", &g2), &mut out).await.unwrap();
+    assert!(out.released_all());
+    let drained = out.drain();
+    let policy: Vec<PolicyRow> = drained
+        .iter()
+        .filter(|(t, _)| t == "policy")
+        .flat_map(|(_, b)| PolicyRow::from_batch(b).unwrap())
+        .collect();
+    assert_eq!(policy.len(), 1);
+    assert_eq!(policy[0].version, 1);
+    let path = streamrl_stages::uri_path(&policy[0].uri);
+    assert_eq!(
+        streamrl_model::checkpoint::weights_sha256(&path).unwrap(),
+        policy[0].sha256
+    );
+    let m: Vec<streamrl_schemas::MetricRow> = drained
+        .iter()
+        .filter(|(t, _)| t == "metrics")
+        .flat_map(|(_, b)| streamrl_schemas::MetricRow::from_batch(b).unwrap())
+        .collect();
+    assert_eq!(metric(&m, "samples_trained"), 4.0);
+    assert_eq!(metric(&m, "samples_duplicate"), 2.0);
+    assert!(metric(&m, "grad_norm") > 0.0);
+
+    // Step 2: one group is too old (version 0 < 2 − 1), one is fresh.
+    let mut out = Emitter::default();
+    let old: Vec<SampleRow> = (0..2).map(|i| sample("g3", i, i as f32, i as f32 - 0.5, 0)).collect();
+    let fresh: Vec<SampleRow> = (0..2).map(|i| sample("g4", i, i as f32, i as f32 - 0.5, 1)).collect();
+    t.process(input("samples", &old), &mut out).await.unwrap();
+    t.process(input("samples", &fresh), &mut out).await.unwrap();
+    let drained = out.drain();
+    let m: Vec<streamrl_schemas::MetricRow> = drained
+        .iter()
+        .filter(|(t, _)| t == "metrics")
+        .flat_map(|(_, b)| streamrl_schemas::MetricRow::from_batch(b).unwrap())
+        .collect();
+    assert_eq!(
+        metric(&m, "samples_dropped_stale"),
+        0.0,
+        "version 0 is within 1 of step 1"
+    );
+    assert_eq!(t.version(), 2);
+
+    // A restarted trainer resumes at version 2 and skips every sample it consumed.
+    let mut again = trainer(dir.path(), ckpt);
+    assert_eq!(again.version(), 2);
+    let mut out = Emitter::default();
+    again.process(input("samples", &g1), &mut out).await.unwrap();
+    again.process(input("samples", &fresh), &mut out).await.unwrap();
+    assert!(out.drain().is_empty(), "consumed samples were trained again");
+    let stale: Vec<SampleRow> = (0..2).map(|i| sample("g5", i, i as f32, i as f32 - 0.5, 0)).collect();
+    let g6: Vec<SampleRow> = (0..2).map(|i| sample("g6", i, i as f32, i as f32 - 0.5, 2)).collect();
+    again.process(input("samples", &stale), &mut out).await.unwrap();
+    again.process(input("samples", &g6), &mut out).await.unwrap();
+    let m: Vec<streamrl_schemas::MetricRow> = out
+        .drain()
+        .iter()
+        .filter(|(t, _)| t == "metrics")
+        .flat_map(|(_, b)| streamrl_schemas::MetricRow::from_batch(b).unwrap())
+        .collect();
+    assert_eq!(
+        metric(&m, "samples_dropped_stale"),
+        2.0,
+        "version 0 is older than 2 − 1"
+    );
+    assert_eq!(metric(&m, "samples_trained"), 2.0);
+    assert_eq!(again.version(), 3);
+}
