@@ -8,6 +8,7 @@ mod bench;
 mod bench_train;
 mod model_cmd;
 mod progress;
+mod serve;
 mod stages;
 mod train_cmd;
 
@@ -126,6 +127,9 @@ enum Command {
     Sft(train_cmd::SftArgs),
     /// Greedy accuracy and pass@k of a checkpoint on an environment's held-out split.
     Eval(train_cmd::EvalArgs),
+    /// An OpenAI-compatible HTTP server (completions, chat completions) over the
+    /// continuous-batching engine.
+    Serve(serve::ServeArgs),
     /// Create and inspect policy checkpoints.
     Model {
         #[command(subcommand)]
@@ -176,6 +180,7 @@ async fn main() -> std::process::ExitCode {
 
 async fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Serve(a) => serve::serve(a).await,
         Command::Sft(a) => tokio::task::block_in_place(|| train_cmd::sft(a)),
         Command::Eval(a) => tokio::task::block_in_place(|| train_cmd::eval(a)),
         Command::Validate { topology } => {

@@ -18,6 +18,7 @@
 //! assert_eq!(lp.dims(), &[1, 5]);
 //! ```
 
+pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod engine;
