@@ -29,6 +29,16 @@ pub enum Which {
         #[arg(long, default_value_t = 64)]
         tokens: usize,
     },
+    /// Wall time per RL step through the whole pipeline with max_async_level 0 vs 2, on a
+    /// workload whose generation lengths have a heavy tail.
+    Async {
+        /// Trainer steps per run.
+        #[arg(long, default_value_t = 20)]
+        steps: u64,
+        /// Pareto shape of the per-group max_tokens (smaller: heavier tail).
+        #[arg(long, default_value_t = 1.2)]
+        alpha: f64,
+    },
     /// Memory bus rows/s (vs an mpsc channel) and, with --kafka, Kafka MB/s (vs raw rdkafka).
     Bus {
         /// Kafka URL for the Kafka half (e.g. kafka://127.0.0.1:9092); omitted: memory only.
@@ -49,6 +59,7 @@ pub enum Which {
 pub async fn run(which: Which) -> Result<()> {
     match which {
         Which::Train { steps, skip_large } => crate::bench_train::run(steps, skip_large),
+        Which::Async { steps, alpha } => crate::bench_async::run(steps, alpha).await,
         Which::Generate { tokens } => crate::bench_train::generate(tokens),
         Which::Bus {
             kafka,

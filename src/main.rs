@@ -5,6 +5,7 @@
 //! `query` (SQL over the Parquet archive), `replay`, and `bench`.
 
 mod bench;
+mod bench_async;
 mod bench_train;
 mod model_cmd;
 mod progress;
@@ -218,7 +219,10 @@ async fn dispatch(cli: Cli) -> Result<()> {
             }
             let sft = t.sft.clone();
             tokio::task::block_in_place(|| train_cmd::sft_from_topology(&sft, &topology))?;
-            run_all(t).await
+            let (summary, metrics) = run_all(t, false).await?;
+            print_metrics(&metrics);
+            summary.print();
+            Ok(())
         }
         Command::Stage {
             name,
@@ -371,7 +375,9 @@ async fn create_topics(bus: &Arc<dyn bus::Bus>, t: &Topology) -> Result<()> {
 }
 
 /// Every replica of every stage, in this process; the first failure stops them all.
-async fn run_all(t: Topology) -> Result<()> {
+/// Runs every stage of `t` in this process until the trainer's `max_steps` (or a signal);
+/// returns the per-step summary and each stage's counters.
+async fn run_all(t: Topology, quiet: bool) -> Result<(progress::Summary, Vec<(String, Arc<StageMetrics>)>)> {
     use streamrl_runtime::topology::StageKind;
     let missing = stages::unbuilt(&t);
     if !missing.is_empty() {
@@ -395,7 +401,7 @@ async fn run_all(t: Topology) -> Result<()> {
             built.push((decl.kind, stages::build(&t, name, r)?, cfg));
         }
     }
-    let watcher = progress::Watcher::start(&bus, &t, pipeline.clone()).await?;
+    let watcher = progress::Watcher::start(&bus, &t, pipeline.clone(), quiet).await?;
     for (kind, stage, cfg) in built {
         let m = Arc::new(StageMetrics::default());
         all_metrics.push((cfg.instance(), m.clone()));
@@ -429,11 +435,9 @@ async fn run_all(t: Topology) -> Result<()> {
         }
     }
     let summary = watcher.finish().await;
-    print_metrics(&all_metrics);
-    summary.print();
     match first_err {
         Some(e) => Err(e),
-        None => Ok(()),
+        None => Ok((summary, all_metrics)),
     }
 }
 

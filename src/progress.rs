@@ -18,10 +18,46 @@ use streamrl_stages::trainer::TrainerConfig;
 #[derive(Debug, Default)]
 pub struct Summary {
     steps: BTreeMap<u64, BTreeMap<String, f64>>,
-    wall: f64,
+    /// Seconds from the start of the run to its end.
+    pub wall: f64,
+    /// Seconds from the start of the run to each step's metrics.
+    pub at: BTreeMap<u64, f64>,
 }
 
 impl Summary {
+    /// Steps whose metrics arrived.
+    pub fn steps(&self) -> usize {
+        self.steps.len()
+    }
+
+    /// Mean staleness (versions behind the trainer) of the samples trained on.
+    pub fn mean_staleness(&self) -> f64 {
+        let (mut sum, mut n) = (0.0, 0.0);
+        for m in self.steps.values() {
+            for (k, v) in m {
+                if let Some(s) = k.strip_prefix("staleness_").and_then(|s| s.parse::<f64>().ok()) {
+                    sum += s * v;
+                    n += v;
+                }
+            }
+        }
+        if n > 0.0 { sum / n } else { 0.0 }
+    }
+
+    /// Seconds per step between the first and the last step seen (startup excluded).
+    pub fn seconds_per_step(&self) -> f64 {
+        match (self.at.iter().next(), self.at.iter().next_back()) {
+            (Some((s0, t0)), Some((s1, t1))) if s1 > s0 => (t1 - t0) / (s1 - s0) as f64,
+            _ => f64::NAN,
+        }
+    }
+
+    /// Mean of a metric over every step.
+    pub fn mean(&self, name: &str) -> f64 {
+        let v: Vec<f64> = self.steps.values().filter_map(|m| m.get(name).copied()).collect();
+        v.iter().sum::<f64>() / v.len().max(1) as f64
+    }
+
     /// Prints the first and last steps' key numbers.
     pub fn print(&self) {
         if self.steps.is_empty() {
@@ -67,7 +103,7 @@ pub struct Watcher {
 
 impl Watcher {
     /// Subscribes (broadcast) to the policy and metrics topics and starts printing.
-    pub async fn start(bus: &Arc<dyn Bus>, t: &Topology, shutdown: Shutdown) -> Result<Watcher> {
+    pub async fn start(bus: &Arc<dyn Bus>, t: &Topology, shutdown: Shutdown, quiet: bool) -> Result<Watcher> {
         let topic = |schema: SchemaId| {
             t.topics
                 .iter()
@@ -115,7 +151,9 @@ impl Watcher {
                             && v >= max
                             && stop_by.is_none()
                         {
-                            eprintln!("trainer reached max_steps {max}: stopping the run");
+                            if !quiet {
+                                eprintln!("trainer reached max_steps {max}: stopping the run");
+                            }
                             stop_by = Some(tokio::time::Instant::now() + std::time::Duration::from_secs(2));
                         }
                     }
@@ -128,6 +166,7 @@ impl Watcher {
                             continue;
                         }
                         let step = trainer[0].step;
+                        summary.at.insert(step, t0.elapsed().as_secs_f64());
                         let e = summary.steps.entry(step).or_default();
                         for r in rows.iter().filter(|r| r.step == step) {
                             e.insert(r.name.clone(), r.value);
@@ -137,6 +176,9 @@ impl Watcher {
                             .iter()
                             .filter_map(|(k, v)| k.strip_prefix("staleness_").map(|s| format!("{s}:{v}")))
                             .collect();
+                        if quiet {
+                            continue;
+                        }
                         eprintln!(
                             "step {step:>4}{} reward {:.3} loss {:+.4} entropy {:.3} kl {:.4} masked {:.3}/{:.3} trained {:>3}/{:<3} staleness [{}] {:.2} s/step {:.0} s",
                             max_steps.map(|m| format!("/{m}")).unwrap_or_default(),

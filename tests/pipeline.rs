@@ -101,6 +101,11 @@ fn run_warm_starts_then_trains_through_every_stage_and_archives_the_lineage() {
     );
     // Samples are unique by sample_id (the mask deduplicates, replicas split the work).
     assert_eq!(q("SELECT count(*) - count(DISTINCT sample_id) FROM samples"), ["0"]);
+    // Version N was trained on exactly the groups admitted for step N − 1.
+    assert_eq!(
+        q("SELECT step, count(DISTINCT group_id) FROM samples WHERE step < 3 GROUP BY step ORDER BY step"),
+        ["0,2", "1,2", "2,2"]
+    );
     // Trainer metrics for every step.
     assert_eq!(
         q("SELECT DISTINCT step FROM metrics WHERE stage = 'trainer' AND name = 'loss' ORDER BY step"),

@@ -45,6 +45,8 @@ pub struct RolloutConfig {
     pub stop: Vec<String>,
     /// How long one engine time slice runs between inputs, in ms.
     pub slice_ms: u64,
+    /// Generate until `max_tokens` even past end-of-sequence (benchmarks).
+    pub ignore_eos: bool,
 }
 
 impl Default for RolloutConfig {
@@ -58,6 +60,7 @@ impl Default for RolloutConfig {
             top_k: 0,
             stop: Vec::new(),
             slice_ms: 50,
+            ignore_eos: false,
         }
     }
 }
@@ -185,6 +188,7 @@ impl RolloutStage {
                 seed: seed_of(&p.group_id, i),
                 max_tokens: p.max_tokens as usize,
                 stop: self.cfg.stop.clone(),
+                ignore_eos: self.cfg.ignore_eos,
                 ..Default::default()
             };
             match self.engine.add(tokens.clone(), params) {

@@ -44,6 +44,13 @@ pub struct SourceConfig {
     pub temperature: f32,
     /// Completion tokens at most.
     pub max_tokens: u32,
+    /// Draw each group's `max_tokens` from a heavy-tailed (Pareto) distribution with this
+    /// shape α, from `min_tokens` up to `max_tokens` (`null`: every group gets
+    /// `max_tokens`). With `ignore_eos` at the rollout stage this makes generation lengths
+    /// vary the way reasoning traces do (benchmarks, stress tests).
+    pub length_tail_alpha: Option<f64>,
+    /// Smallest `max_tokens` the tail draws.
+    pub min_tokens: u32,
 }
 
 impl Default for SourceConfig {
@@ -57,6 +64,8 @@ impl Default for SourceConfig {
             seed: 0,
             temperature: 1.0,
             max_tokens: 16,
+            length_tail_alpha: None,
+            min_tokens: 4,
         }
     }
 }
@@ -82,6 +91,17 @@ impl SourceConfig {
         }
         if self.max_tokens == 0 {
             p.push("max_tokens must be at least 1".into());
+        }
+        if let Some(a) = self.length_tail_alpha
+            && !(a > 0.0 && a.is_finite())
+        {
+            p.push(format!("length_tail_alpha {a} must be positive"));
+        }
+        if self.min_tokens == 0 || self.min_tokens > self.max_tokens {
+            p.push(format!(
+                "min_tokens {} must be in 1..=max_tokens ({})",
+                self.min_tokens, self.max_tokens
+            ));
         }
         p
     }
@@ -154,6 +174,14 @@ impl SourceStage {
         let env = self.envs.pick(rng.random::<f64>());
         let problem = env.sample(Split::Train, rng.random());
         let prompt = env.prompt(&problem).text;
+        let max_tokens = match self.cfg.length_tail_alpha {
+            None => self.cfg.max_tokens,
+            Some(alpha) => {
+                let u: f64 = rng.random::<f64>().max(1e-12);
+                let draw = self.cfg.min_tokens as f64 * u.powf(-1.0 / alpha);
+                (draw.round() as u32).clamp(self.cfg.min_tokens, self.cfg.max_tokens)
+            }
+        };
         let ids = self
             .tokenizer
             .encode(&prompt)
@@ -170,7 +198,7 @@ impl SourceStage {
             answer: problem.answer.clone(),
             info: (!problem.info.is_null()).then(|| problem.info.to_string()),
             temperature: self.cfg.temperature,
-            max_tokens: self.cfg.max_tokens,
+            max_tokens,
             created_at: now_ms(),
         })
     }

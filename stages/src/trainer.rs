@@ -2,9 +2,13 @@
 //! optimizer step per batch, writes each policy version atomically to the checkpoint store
 //! and publishes it on `policy`, with per-step metrics on `metrics`.
 //!
-//! A step batch is `groups_per_step` groups (the mask stage sends each group whole, one
-//! message per group). Groups filtered for zero reward variance arrive with no trainable
-//! token: they count toward the batch but are not trained on. A sample whose oldest token
+//! Version `v + 1` is trained on exactly the `groups_per_step` groups the source admitted
+//! for step `v` (the mask stage sends each group whole, one message per group), so "which
+//! rollouts were trained into version N" is `samples WHERE step = N - 1`. Groups of later
+//! steps wait, unacknowledged, for their turn; if a group of the current step never comes
+//! (`step_timeout_secs` after later ones started waiting) the step trains without it and
+//! counts it missing. Groups filtered for zero reward variance arrive with no trainable
+//! token: they complete the batch but are not trained on. A sample whose oldest token
 //! comes from a policy older than `version − max_off_policy_steps` is dropped and counted.
 //!
 //! Restarts: each version is written to `checkpoints/step-NNNNNN/` (weights, tokenizer,
@@ -40,6 +44,9 @@ pub struct TrainerConfig {
     pub keep_last: usize,
     /// ...plus every version divisible by this (0: none).
     pub keep_every: u64,
+    /// Train a step with the groups it has once groups of later steps have waited this
+    /// long for a missing one (a lost prompt must not stall training).
+    pub step_timeout_secs: u64,
     /// Loss, optimizer, learning rate and packing.
     pub train: TrainConfig,
 }
@@ -53,6 +60,7 @@ impl Default for TrainerConfig {
             max_steps: None,
             keep_last: 3,
             keep_every: 0,
+            step_timeout_secs: 300,
             train: TrainConfig::default(),
         }
     }
@@ -94,8 +102,12 @@ pub struct TrainerStage {
     current: PolicyRow,
     consumed: HashSet<String>,
     consumed_order: Vec<String>,
-    buffer: BTreeMap<String, Vec<SampleRow>>,
+    /// Groups waiting, by admitted step, then group id.
+    buffer: BTreeMap<u64, BTreeMap<String, Vec<SampleRow>>>,
+    /// Since when groups of a later step have been waiting on an incomplete current step.
+    waiting_since: Option<std::time::Instant>,
     duplicates: u64,
+    missing: u64,
 }
 
 impl std::fmt::Debug for TrainerStage {
@@ -168,7 +180,9 @@ impl TrainerStage {
             store,
             policy_topic: policy.expect("checked"),
             buffer: BTreeMap::new(),
+            waiting_since: None,
             duplicates: 0,
+            missing: 0,
         })
     }
 
@@ -190,9 +204,34 @@ impl TrainerStage {
         Ok(())
     }
 
+    /// Whether the current step's batch is complete, or has waited long enough.
+    fn ready(&self) -> bool {
+        let current: usize = self.buffer.range(..=self.version).map(|(_, g)| g.len()).sum();
+        if current >= self.cfg.groups_per_step {
+            return true;
+        }
+        let later = self.buffer.range(self.version + 1..).next().is_some();
+        later
+            && self
+                .waiting_since
+                .is_some_and(|t| t.elapsed() >= std::time::Duration::from_secs(self.cfg.step_timeout_secs))
+    }
+
     fn train_step(&mut self, out: &mut Emitter) -> Result<(), StageError> {
-        let groups = std::mem::take(&mut self.buffer);
-        let all: Vec<SampleRow> = groups.into_values().flatten().collect();
+        // This step's groups (and any that arrived after their own step was trained).
+        let mut groups: Vec<(String, Vec<SampleRow>)> = Vec::new();
+        let steps: Vec<u64> = self.buffer.range(..=self.version).map(|(s, _)| *s).collect();
+        for s in steps {
+            groups.extend(self.buffer.remove(&s).unwrap_or_default());
+        }
+        if groups.len() < self.cfg.groups_per_step {
+            self.missing += (self.cfg.groups_per_step - groups.len()) as u64;
+        }
+        self.waiting_since = None;
+        for (g, _) in &groups {
+            out.release(g.clone());
+        }
+        let all: Vec<SampleRow> = groups.into_iter().flat_map(|(_, v)| v).collect();
         let version = self.version;
         let oldest_ok = version.saturating_sub(self.cfg.max_off_policy_steps);
         let mut staleness: BTreeMap<u64, u64> = BTreeMap::new();
@@ -223,6 +262,9 @@ impl TrainerStage {
             compute(|| self.learner.step(&train)).map_err(|e| StageError::internal(format!("train step: {e}")))?
         };
         self.version += 1;
+        if self.buffer.range(self.version + 1..).next().is_some() {
+            self.waiting_since = Some(std::time::Instant::now());
+        }
         for s in &all {
             self.consumed.insert(s.sample_id.clone());
             self.consumed_order.push(s.sample_id.clone());
@@ -269,6 +311,7 @@ impl TrainerStage {
             ("samples_dropped_stale".into(), stale as f64),
             ("samples_filtered".into(), filtered_samples as f64),
             ("samples_duplicate".into(), self.duplicates as f64),
+            ("groups_missing".into(), self.missing as f64),
             ("trainable_tokens".into(), report.trainable_tokens as f64),
             ("micro_batches".into(), report.micro_batches as f64),
             ("step_seconds".into(), report.seconds),
@@ -347,22 +390,46 @@ impl Stage for TrainerStage {
             out.hold();
             return Ok(());
         }
+        let mut kept = None;
         for s in samples {
-            if self.consumed.contains(&s.sample_id)
+            let dup = self.consumed.contains(&s.sample_id)
                 || self
                     .buffer
-                    .get(&s.group_id)
-                    .is_some_and(|g| g.iter().any(|x| x.sample_id == s.sample_id))
-            {
+                    .get(&s.step)
+                    .and_then(|g| g.get(&s.group_id))
+                    .is_some_and(|g| g.iter().any(|x| x.sample_id == s.sample_id));
+            if dup {
                 self.duplicates += 1;
                 continue;
             }
-            self.buffer.entry(s.group_id.clone()).or_default().push(s);
+            kept.get_or_insert_with(|| s.group_id.clone());
+            self.buffer
+                .entry(s.step)
+                .or_default()
+                .entry(s.group_id.clone())
+                .or_default()
+                .push(s);
         }
-        out.hold();
-        if self.buffer.len() >= self.cfg.groups_per_step {
+        // One message is one group: held under its id until the step that trains it is saved.
+        if let Some(g) = kept {
+            out.hold_as(g);
+        }
+        if self.waiting_since.is_none() && self.buffer.range(self.version + 1..).next().is_some() {
+            self.waiting_since = Some(std::time::Instant::now());
+        }
+        while !self.done() && self.ready() {
             self.train_step(out)?;
-            out.release_held();
+        }
+        Ok(())
+    }
+
+    fn tick_interval(&self) -> Option<std::time::Duration> {
+        Some(std::time::Duration::from_secs(1))
+    }
+
+    async fn tick(&mut self, out: &mut Emitter) -> Result<(), StageError> {
+        while !self.done() && self.ready() {
+            self.train_step(out)?;
         }
         Ok(())
     }

@@ -371,14 +371,14 @@ async fn trainer_steps_per_batch_publishes_versions_and_resumes_without_repeatin
 
     let g1: Vec<SampleRow> = (0..2).map(|i| sample("g1", i, i as f32, i as f32 - 0.5, 0)).collect();
     t.process(input("samples", &g1), &mut out).await.unwrap();
-    assert_eq!(out.holding(), Some(None));
+    assert_eq!(out.holding(), Some(Some("g1")));
     assert!(out.drain().is_empty(), "stepped before the batch was full");
     t.process(input("samples", &g1), &mut out).await.unwrap();
     assert!(out.drain().is_empty(), "a duplicate group counted toward the batch");
     let g2: Vec<SampleRow> = (0..2).map(|i| sample("g2", i, i as f32, i as f32 - 0.5, 0)).collect();
     let mut out = Emitter::default();
     t.process(input("samples", &g2), &mut out).await.unwrap();
-    assert!(out.released_all());
+    assert_eq!(out.released(), ["g1".to_string(), "g2".to_string()]);
     let drained = out.drain();
     let policy: Vec<PolicyRow> = drained
         .iter()
@@ -444,4 +444,38 @@ async fn trainer_steps_per_batch_publishes_versions_and_resumes_without_repeatin
     );
     assert_eq!(metric(&m, "samples_trained"), 2.0);
     assert_eq!(again.version(), 3);
+}
+
+#[tokio::test]
+async fn trainer_trains_each_version_on_the_groups_admitted_for_that_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("init");
+    tiny(&ckpt, 0);
+    let mut t = trainer(dir.path(), ckpt);
+    let group = |g: &str, step: u64| -> Vec<SampleRow> {
+        (0..2)
+            .map(|i| SampleRow {
+                step,
+                ..sample(g, i, i as f32, i as f32 - 0.5, 0)
+            })
+            .collect()
+    };
+    let mut out = Emitter::default();
+    // A group admitted for step 1 finishes first: it waits, held.
+    t.process(input("samples", &group("late", 1)), &mut out).await.unwrap();
+    assert_eq!(out.holding(), Some(Some("late")));
+    t.process(input("samples", &group("a", 0)), &mut out).await.unwrap();
+    assert_eq!(t.version(), 0, "one group of step 0 is not a batch");
+    let mut out = Emitter::default();
+    t.process(input("samples", &group("b", 0)), &mut out).await.unwrap();
+    assert_eq!(t.version(), 1);
+    assert_eq!(
+        out.released(),
+        ["a".to_string(), "b".to_string()],
+        "the step-1 group stays held"
+    );
+    let mut out = Emitter::default();
+    t.process(input("samples", &group("c", 1)), &mut out).await.unwrap();
+    assert_eq!(t.version(), 2);
+    assert_eq!(out.released(), ["c".to_string(), "late".to_string()]);
 }
