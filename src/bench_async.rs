@@ -46,7 +46,7 @@ stages:
     kind: trainer
     inputs: [samples]
     outputs: [policy, metrics]
-    config: {{ checkpoint: {ckpt}, groups_per_step: 4, max_steps: {steps}, max_off_policy_steps: 8, keep_last: 1,
+    config: {{ checkpoint: {ckpt}, groups_per_step: 4, max_steps: {steps}, max_off_policy_steps: 8, keep_last: 3,
               train: {{ lr: {{ type: constant, lr: 0.00001 }} }} }}
 "#,
         run = dir.join(format!("run-{level}")).display(),

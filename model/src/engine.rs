@@ -4,8 +4,9 @@
 //! Every [`step`](Engine::step) admits waiting requests (up to `max_num_seqs` running and
 //! a KV-cache token budget), prefills the newcomers in one ragged forward, runs one decode
 //! step for every running sequence, and retires finished sequences at once: sequences join
-//! and leave the batch at every step. Each sequence owns its KV cache, so the batch is
-//! ragged; rows are padded only inside attention.
+//! and leave the batch at every step. Newcomers are prefilled as a ragged batch (each into
+//! its own cache), then join the running batch's cache ([`BatchKv`]) as rows; a decode step
+//! writes every row's new keys and values with one scatter.
 //!
 //! Every generated token carries its logprob under the temperature-scaled distribution
 //! (`log_softmax(logits / T)`, full vocabulary, before top-k/top-p truncation; greedy
@@ -35,7 +36,7 @@ use candle_core::Tensor;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::model::{KvCache, MASKED};
+use crate::model::{BatchKv, KvCache, MASKED};
 use crate::{Error, Result, Tokenizer, Transformer, checkpoint};
 
 /// Scheduler limits.
@@ -49,6 +50,9 @@ pub struct EngineConfig {
     /// Prompt tokens prefilled in one step at most (at least one request is always
     /// admitted when the batch has room).
     pub max_prefill_tokens: usize,
+    /// While sequences are running, admit newcomers only once this many slots are free
+    /// (a prefill is a forward pass of its own; 1 admits at every step).
+    pub min_prefill_batch: usize,
 }
 
 impl Default for EngineConfig {
@@ -57,6 +61,7 @@ impl Default for EngineConfig {
             max_num_seqs: 64,
             max_kv_tokens: 1 << 20,
             max_prefill_tokens: 8192,
+            min_prefill_batch: 4,
         }
     }
 }
@@ -252,6 +257,8 @@ pub struct Engine {
     cfg: EngineConfig,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
+    /// The running sequences' keys and values, row r = running[r].
+    batch: BatchKv,
     next_id: u64,
     stats: EngineStats,
 }
@@ -274,6 +281,7 @@ impl Engine {
             cfg,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            batch: BatchKv::default(),
             next_id: 0,
             stats: EngineStats::default(),
         }
@@ -370,6 +378,11 @@ impl Engine {
         }
         let i = self.running.iter().position(|s| s.id == id)?;
         let s = self.running.remove(i);
+        let keep: Vec<u32> = (0..self.batch.rows() as u32).filter(|r| *r as usize != i).collect();
+        if let Err(e) = self.batch.keep(&keep) {
+            // Cannot happen for in-range rows; never leave rows and sequences out of step.
+            panic!("dropping row {i} of the batch cache: {e}");
+        }
         Some(self.finish(s, FinishReason::Cancelled))
     }
 
@@ -447,6 +460,14 @@ impl Engine {
     }
 
     fn admit(&mut self) -> Vec<Seq> {
+        // A prefill is a forward pass of its own: with sequences running, wait until enough
+        // slots are free to amortise it over several newcomers (or nothing else is waiting
+        // to fill them anyway).
+        let free = self.cfg.max_num_seqs.saturating_sub(self.running.len());
+        let min_batch = self.cfg.min_prefill_batch.clamp(1, self.cfg.max_num_seqs);
+        if !self.running.is_empty() && free < min_batch && self.waiting.len() >= min_batch {
+            return Vec::new();
+        }
         let mut kv: usize = self.running.iter().map(Seq::budget).sum();
         let mut prefill = 0;
         let mut admitted = Vec::new();
@@ -510,50 +531,72 @@ impl Engine {
             s.cache = Some(c);
             s.started_at = started;
         }
-        self.advance(seqs, last, events)
+        let mut joined = self.advance(seqs, last, events)?;
+        let cap = self
+            .running
+            .iter()
+            .chain(joined.iter().map(|(_, s)| s))
+            .map(|s| s.budget().min(ctx))
+            .max()
+            .unwrap_or(1);
+        {
+            let caches: Vec<&KvCache> = joined
+                .iter()
+                .map(|(_, s)| s.cache.as_ref().expect("prefilled sequences have a cache"))
+                .collect();
+            self.batch.push(&caches, cap)?;
+        }
+        for (_, s) in joined.iter_mut() {
+            s.cache = None;
+        }
+        self.running.extend(joined.into_iter().map(|(_, s)| s));
+        Ok(())
     }
 
     fn decode(&mut self, events: &mut Vec<Event>) -> Result<()> {
         let dev = self.model.device().clone();
-        let mut seqs = std::mem::take(&mut self.running);
+        let seqs = std::mem::take(&mut self.running);
         let b = seqs.len();
-        let lens: Vec<usize> = seqs
+        // Row r's newest token sits at position prompt + generated − 1; its keys and values
+        // are written there now.
+        let positions: Vec<u32> = seqs
             .iter()
-            .map(|s| s.cache.as_ref().map_or(0, KvCache::len) + 1)
+            .map(|s| (s.prompt.len() + s.tokens.len() - 1) as u32)
             .collect();
-        let width = lens.iter().copied().max().unwrap_or(1);
+        let width = positions.iter().map(|p| *p as usize + 1).max().unwrap_or(1);
         let tokens: Vec<u32> = seqs
             .iter()
             .map(|s| *s.tokens.last().expect("running sequences have a token"))
             .collect();
-        let positions: Vec<u32> = lens.iter().map(|l| (l - 1) as u32).collect();
         let mut mask = vec![MASKED; b * width];
-        for (r, l) in lens.iter().enumerate() {
-            mask[r * width..r * width + l].fill(0.0);
+        for (r, p) in positions.iter().enumerate() {
+            mask[r * width..r * width + *p as usize + 1].fill(0.0);
         }
-        let mut refs: Vec<&mut KvCache> = seqs
-            .iter_mut()
-            .map(|s| s.cache.as_mut().expect("running sequences have a cache"))
-            .collect();
-        let logits = self.model.forward_ragged(
+        let logits = self.model.forward_batched(
             &Tensor::from_vec(tokens, (b, 1), &dev)?,
             &Tensor::from_vec(positions, (b, 1), &dev)?,
             &Tensor::from_vec(mask, (b, 1, 1, width), &dev)?,
-            &mut refs,
-            &vec![1; b],
+            &self.batch,
+            width,
         )?;
         let rows = logits.squeeze(1)?.to_vec2::<f32>()?;
         self.stats.decode_steps += 1;
         self.stats.batch_rows += b as u64;
-        self.advance(seqs, rows, events)
+        let kept = self.advance(seqs, rows, events)?;
+        let idx: Vec<u32> = kept.iter().map(|(r, _)| *r as u32).collect();
+        self.batch.keep(&idx)?;
+        self.running = kept.into_iter().map(|(_, s)| s).collect();
+        Ok(())
     }
 
     /// Samples one token per sequence from its logits row, records it, and retires the
     /// sequences that finished.
-    fn advance(&mut self, seqs: Vec<Seq>, rows: Vec<Vec<f32>>, events: &mut Vec<Event>) -> Result<()> {
+    /// Returns the sequences still running, with their index in `seqs`.
+    fn advance(&mut self, seqs: Vec<Seq>, rows: Vec<Vec<f32>>, events: &mut Vec<Event>) -> Result<Vec<(usize, Seq)>> {
         let ctx = self.model.config().max_positions;
         let eos = self.tokenizer.as_ref().and_then(|t| t.eos);
-        for (mut s, row) in seqs.into_iter().zip(rows) {
+        let mut kept = Vec::with_capacity(seqs.len());
+        for (r, (mut s, row)) in seqs.into_iter().zip(rows).enumerate() {
             let (token, logprob) = sample(&row, &s.params, &mut s.rng);
             s.tokens.push(token);
             s.logprobs.push(logprob);
@@ -579,10 +622,10 @@ impl Engine {
                     let out = self.finish(s, r);
                     events.push(Event::Done(out));
                 }
-                None => self.running.push(s),
+                None => kept.push((r, s)),
             }
         }
-        Ok(())
+        Ok(kept)
     }
 
     /// Whether the text so far contains a stop string or tool-call marker.

@@ -31,5 +31,5 @@ pub mod optim;
 pub mod tokenizer;
 
 pub use error::{Error, Result};
-pub use model::{Aux, KvCache, MoeStats, Packed, Transformer, masked_entropy, token_logprobs};
+pub use model::{Aux, BatchKv, KvCache, MoeStats, Packed, Transformer, masked_entropy, token_logprobs};
 pub use tokenizer::Tokenizer;

@@ -196,6 +196,19 @@ impl Attention {
         let k = rope.apply(&k.contiguous()?, positions)?;
         let (k, v) = match cache {
             LayerCache::None => (k, v),
+            LayerCache::Batched {
+                k: kc,
+                v: vc,
+                index,
+                width,
+            } => {
+                kc.scatter_set(index, &k.contiguous()?, 2)?;
+                vc.scatter_set(index, &v, 2)?;
+                (
+                    kc.narrow(2, 0, width)?.contiguous()?,
+                    vc.narrow(2, 0, width)?.contiguous()?,
+                )
+            }
             LayerCache::Shared(c) => c.append(&k.contiguous()?, &v)?,
             LayerCache::Ragged { caches, new_lens } => {
                 // Each row appends its own new positions to its own cache; rows are then
@@ -521,6 +534,12 @@ impl Transformer {
         for (i, blk) in self.blocks.iter().enumerate() {
             let c = match &mut cache {
                 CacheArg::None => LayerCache::None,
+                CacheArg::Batched(kv, index, width) => LayerCache::Batched {
+                    k: &kv.k[i],
+                    v: &kv.v[i],
+                    index,
+                    width: *width,
+                },
                 CacheArg::Shared(c) => LayerCache::Shared(&mut c.layers[i]),
                 CacheArg::Ragged(cs, lens) => LayerCache::Ragged {
                     caches: cs.iter_mut().map(|c| &mut c.layers[i]).collect(),
@@ -588,6 +607,34 @@ impl Transformer {
         Ok(self.run(tokens, positions, mask, CacheArg::Ragged(caches, new_lens))?.0)
     }
 
+    /// Decode one token per row of the running batch whose keys and values are the rows of
+    /// `kv`: row r's token sits at `positions[r]` (B, 1), its keys and values are written
+    /// there in place, and attention covers the first `width` positions under the additive
+    /// `mask` (B, 1, 1, width).
+    pub fn forward_batched(
+        &self,
+        tokens: &Tensor,
+        positions: &Tensor,
+        mask: &Tensor,
+        kv: &BatchKv,
+        width: usize,
+    ) -> Result<Tensor> {
+        let b = tokens.dim(0)?;
+        if kv.rows != b || width > kv.cap {
+            return Err(Error::Shape(format!(
+                "batched decode of {b} rows (width {width}) over a cache of {} rows × {} positions",
+                kv.rows, kv.cap
+            )));
+        }
+        let index = positions
+            .reshape((b, 1, 1, 1))?
+            .broadcast_as((b, self.cfg.n_kv_heads, 1, self.cfg.head_dim))?
+            .contiguous()?;
+        Ok(self
+            .run(tokens, positions, mask, CacheArg::Batched(kv, &index, width))?
+            .0)
+    }
+
     /// A preallocated key/value cache for `max_len` positions.
     pub fn new_cache(&self, max_len: usize) -> KvCache {
         KvCache {
@@ -601,6 +648,7 @@ impl Transformer {
 /// How one forward uses key/value caches.
 enum CacheArg<'a, 'b> {
     None,
+    Batched(&'a BatchKv, &'a Tensor, usize),
     Shared(&'a mut KvCache),
     Ragged(&'a mut [&'b mut KvCache], &'a [usize]),
 }
@@ -608,6 +656,14 @@ enum CacheArg<'a, 'b> {
 /// One layer's view of [`CacheArg`].
 enum LayerCache<'a> {
     None,
+    /// The running batch's cache rows (B, kv, cap, hd): write the new position of every row
+    /// with one scatter, attend over the first `width` positions.
+    Batched {
+        k: &'a Tensor,
+        v: &'a Tensor,
+        index: &'a Tensor,
+        width: usize,
+    },
     Shared(&'a mut candle_nn::kv_cache::KvCache),
     Ragged {
         caches: Vec<&'a mut candle_nn::kv_cache::KvCache>,
@@ -629,6 +685,98 @@ impl KvCache {
     /// Whether nothing is cached.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+impl KvCache {
+    /// Keys and values of layer `i` so far, (1, kv, len, hd) each.
+    fn layer(&self, i: usize) -> Result<(Tensor, Tensor)> {
+        let l = &self.layers[i];
+        match (l.k()?, l.v()?) {
+            (Some(k), Some(v)) => Ok((k, v)),
+            _ => Err(Error::Shape(format!("layer {i} of the cache is empty"))),
+        }
+    }
+}
+
+/// The running batch's key/value cache: per layer one (rows, kv, cap, hd) tensor whose row r
+/// belongs to the r-th running sequence. Rows join (a prefilled sequence) and leave (a
+/// finished one) between steps; a decode step writes every row's new position with one
+/// scatter instead of one copy per row.
+#[derive(Debug, Clone, Default)]
+pub struct BatchKv {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    rows: usize,
+    cap: usize,
+}
+
+impl BatchKv {
+    /// Rows (running sequences).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Positions per row.
+    pub fn cap(&self) -> usize {
+        self.cap
+    }
+
+    /// Appends the sequences cached in `caches` as new rows, growing every row to at least
+    /// `cap` positions.
+    pub fn push(&mut self, caches: &[&KvCache], cap: usize) -> Result<()> {
+        if caches.is_empty() {
+            return Ok(());
+        }
+        let layers = caches[0].layers.len();
+        let cap = cap.max(self.cap);
+        let grow = |t: &Tensor, to: usize| -> Result<Tensor> {
+            let have = t.dim(2)?;
+            Ok(if have < to {
+                t.pad_with_zeros(2, 0, to - have)?
+            } else {
+                t.clone()
+            })
+        };
+        let (mut ks, mut vs) = (Vec::with_capacity(layers), Vec::with_capacity(layers));
+        for i in 0..layers {
+            let mut kparts = Vec::with_capacity(caches.len() + 1);
+            let mut vparts = Vec::with_capacity(caches.len() + 1);
+            if self.rows > 0 {
+                kparts.push(grow(&self.k[i], cap)?);
+                vparts.push(grow(&self.v[i], cap)?);
+            }
+            for c in caches {
+                let (k, v) = c.layer(i)?;
+                kparts.push(grow(&k, cap)?);
+                vparts.push(grow(&v, cap)?);
+            }
+            ks.push(Tensor::cat(&kparts, 0)?.contiguous()?);
+            vs.push(Tensor::cat(&vparts, 0)?.contiguous()?);
+        }
+        self.k = ks;
+        self.v = vs;
+        self.rows += caches.len();
+        self.cap = cap;
+        Ok(())
+    }
+
+    /// Keeps only the rows at `keep` (in that order).
+    pub fn keep(&mut self, keep: &[u32]) -> Result<()> {
+        if keep.len() == self.rows {
+            return Ok(());
+        }
+        if keep.is_empty() {
+            *self = BatchKv::default();
+            return Ok(());
+        }
+        let dev = self.k[0].device().clone();
+        let idx = Tensor::new(keep, &dev)?;
+        for t in self.k.iter_mut().chain(self.v.iter_mut()) {
+            *t = t.index_select(&idx, 0)?.contiguous()?;
+        }
+        self.rows = keep.len();
+        Ok(())
     }
 }
 

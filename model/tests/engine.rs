@@ -312,3 +312,41 @@ fn bad_requests_are_refused_with_every_reason() {
     let err = e.add(vec![5000], SamplingParams::default()).unwrap_err().to_string();
     assert!(err.contains("5000") && err.contains("vocabulary"), "{err}");
 }
+
+#[test]
+fn cancelling_one_running_sequence_leaves_the_others_untouched() {
+    let mut e = engine(8, 4);
+    let ids: Vec<u64> = prompts()
+        .into_iter()
+        .take(3)
+        .enumerate()
+        .map(|(i, p)| {
+            e.add(
+                p,
+                SamplingParams {
+                    max_tokens: 10,
+                    ..params(i, 0.7)
+                },
+            )
+            .unwrap()
+        })
+        .collect();
+    e.step().unwrap();
+    e.step().unwrap();
+    let c = e.cancel(ids[1]).unwrap();
+    assert_eq!((c.tokens.len(), c.finish_reason), (2, FinishReason::Cancelled));
+    let outs = by_id(e.run_to_completion().unwrap());
+    for (o, i) in outs.iter().zip([0usize, 2]) {
+        let mut alone = engine(8, 1);
+        alone
+            .add(
+                prompts()[i].clone(),
+                SamplingParams {
+                    max_tokens: 10,
+                    ..params(i, 0.7)
+                },
+            )
+            .unwrap();
+        assert_eq!(alone.run_to_completion().unwrap()[0].tokens, o.tokens, "request {i}");
+    }
+}
