@@ -9,6 +9,7 @@ mod bench_async;
 mod bench_train;
 mod model_cmd;
 mod progress;
+mod report;
 mod serve;
 mod stages;
 mod train_cmd;
@@ -131,6 +132,9 @@ enum Command {
     /// An OpenAI-compatible HTTP server (completions, chat completions) over the
     /// continuous-batching engine.
     Serve(serve::ServeArgs),
+    /// Plots of a run (reward, loss, masking, staleness, throughput, generation lag) from its
+    /// archive with SQL: SVG files and an HTML page.
+    Report(report::ReportArgs),
     /// Create and inspect policy checkpoints.
     Model {
         #[command(subcommand)]
@@ -182,6 +186,11 @@ async fn main() -> std::process::ExitCode {
 async fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Serve(a) => serve::serve(a).await,
+        Command::Report(a) => {
+            let page = report::report(a).await?;
+            println!("wrote {}", page.display());
+            Ok(())
+        }
         Command::Sft(a) => tokio::task::block_in_place(|| train_cmd::sft(a)),
         Command::Eval(a) => tokio::task::block_in_place(|| train_cmd::eval(a)),
         Command::Validate { topology } => {

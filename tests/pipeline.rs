@@ -111,6 +111,27 @@ fn run_warm_starts_then_trains_through_every_stage_and_archives_the_lineage() {
         q("SELECT DISTINCT step FROM metrics WHERE stage = 'trainer' AND name = 'loss' ORDER BY step"),
         ["1", "2", "3"]
     );
+    // The report: plots from the archive, an HTML page showing them.
+    let (ok, out, err) = streamrl(dir.path(), &["report", "--run", "run"]);
+    assert!(ok && out.contains("index.html"), "{out}{err}");
+    let report = dir.path().join("run/report");
+    let html = std::fs::read_to_string(report.join("index.html")).unwrap();
+    for svg in [
+        "reward.svg",
+        "loss.svg",
+        "masking.svg",
+        "staleness.svg",
+        "throughput.svg",
+        "lag.svg",
+    ] {
+        assert!(html.contains(svg), "{svg} not on the page");
+        let text = std::fs::read_to_string(report.join(svg)).unwrap();
+        assert!(text.starts_with("<svg") && text.ends_with("</svg>"), "{svg}");
+        assert!(
+            text.contains("<polyline") || text.contains("<rect x"),
+            "{svg} plots nothing"
+        );
+    }
     // Nothing was dead-lettered (the archive writes a topic's directory with its first rows).
     assert!(
         !dir.path().join("run/archive/dead_letter").exists(),

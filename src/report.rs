@@ -1,0 +1,281 @@
+//! `streamrl report --run DIR`: plots of a run computed from its archive with SQL, written
+//! as standalone SVG files plus an HTML page that shows them with the queries behind them.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use arrow::array::{Array, AsArray};
+use arrow::datatypes::{DataType, Float64Type};
+use clap::Args;
+use streamrl_archive::Sql;
+
+/// `streamrl report` arguments.
+#[derive(Args, Debug)]
+pub struct ReportArgs {
+    /// Run directory holding `archive/`.
+    #[arg(long = "run")]
+    run_dir: PathBuf,
+    /// Output directory (default: RUN/report).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// One chart: a title, the SQL it comes from, and (label, x, y) series.
+struct Chart {
+    file: &'static str,
+    title: &'static str,
+    sql: &'static str,
+    bars: bool,
+}
+
+const CHARTS: [Chart; 6] = [
+    Chart {
+        file: "reward.svg",
+        title: "Mean reward per step (trainer batch)",
+        sql: "SELECT name AS series, step AS x, value AS y FROM metrics \
+              WHERE stage = 'trainer' AND name = 'reward_mean' ORDER BY step",
+        bars: false,
+    },
+    Chart {
+        file: "loss.svg",
+        title: "Loss, entropy and mismatch KL per step",
+        sql: "SELECT name AS series, step AS x, value AS y FROM metrics \
+              WHERE stage = 'trainer' AND name IN ('loss', 'entropy', 'mismatch_kl') ORDER BY name, step",
+        bars: false,
+    },
+    Chart {
+        file: "masking.svg",
+        title: "Fraction of trainable tokens masked (ratio below low / above high)",
+        sql: "SELECT name AS series, step AS x, value AS y FROM metrics \
+              WHERE stage = 'trainer' AND name IN ('masked_low', 'masked_high') ORDER BY name, step",
+        bars: false,
+    },
+    Chart {
+        file: "staleness.svg",
+        title: "Staleness histogram: samples by versions behind the trainer",
+        sql: "SELECT 'samples' AS series, CAST(replace(name, 'staleness_', '') AS DOUBLE) AS x, sum(value) AS y FROM metrics \
+              WHERE stage = 'trainer' AND name LIKE 'staleness_%' GROUP BY name ORDER BY x",
+        bars: true,
+    },
+    Chart {
+        file: "throughput.svg",
+        title: "Trainer tokens/s per step",
+        sql: "SELECT name AS series, step AS x, value AS y FROM metrics \
+              WHERE stage = 'trainer' AND name = 'tokens_per_s' ORDER BY step",
+        bars: false,
+    },
+    Chart {
+        file: "lag.svg",
+        title: "Generation lag: policy versions behind the step a group was admitted for (mean per step)",
+        sql: "SELECT 'versions behind' AS series, step AS x, avg(CAST(step AS DOUBLE) - CAST(completion_versions[1] AS DOUBLE)) AS y \
+              FROM rollouts GROUP BY step ORDER BY step",
+        bars: false,
+    },
+];
+
+type Series = Vec<(String, Vec<(f64, f64)>)>;
+
+fn f64_column(a: &dyn Array) -> Result<Vec<f64>> {
+    let c = arrow::compute::cast(a, &DataType::Float64)?;
+    let c = c.as_primitive::<Float64Type>();
+    Ok((0..c.len())
+        .map(|i| if c.is_null(i) { f64::NAN } else { c.value(i) })
+        .collect())
+}
+
+async fn series(sql: &Sql, query: &str) -> Result<Series> {
+    let mut out: Series = Vec::new();
+    for b in sql.query(query).await? {
+        let names = arrow::compute::cast(b.column(0), &DataType::Utf8)?;
+        let names = names.as_string::<i32>();
+        let (xs, ys) = (f64_column(b.column(1))?, f64_column(b.column(2))?);
+        for i in 0..b.num_rows() {
+            let name = names.value(i).to_string();
+            match out.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, v)) => v.push((xs[i], ys[i])),
+                None => out.push((name, vec![(xs[i], ys[i])])),
+            }
+        }
+    }
+    Ok(out)
+}
+
+const COLORS: [&str; 4] = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
+
+/// A self-contained SVG line (or bar) chart with axes, ticks and a legend.
+fn svg(title: &str, data: &Series, bars: bool) -> String {
+    let (w, h, l, r, t, b) = (720.0, 360.0, 70.0, 20.0, 40.0, 50.0);
+    let pts: Vec<(f64, f64)> = data
+        .iter()
+        .flat_map(|(_, v)| v.iter().copied())
+        .filter(|p| p.1.is_finite())
+        .collect();
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12"><rect width="100%" height="100%" fill="white"/><text x="{}" y="22" font-size="14" text-anchor="middle">{}</text>"#,
+        w / 2.0,
+        xml(title)
+    );
+    if pts.is_empty() {
+        let _ = write!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="middle">no data</text></svg>"#,
+            w / 2.0,
+            h / 2.0
+        );
+        return s;
+    }
+    let (mut x0, mut x1) = pts
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
+    let (mut y0, mut y1) = pts
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
+    if bars {
+        y0 = y0.min(0.0);
+        x0 -= 0.5;
+        x1 += 0.5;
+    }
+    if x1 <= x0 {
+        x1 = x0 + 1.0;
+    }
+    if y1 <= y0 {
+        y1 = y0 + 1.0;
+    }
+    let sx = |x: f64| l + (x - x0) / (x1 - x0) * (w - l - r);
+    let sy = |y: f64| h - b - (y - y0) / (y1 - y0) * (h - t - b);
+    let _ = write!(
+        s,
+        r#"<line x1="{l}" y1="{}" x2="{}" y2="{}" stroke="black"/><line x1="{l}" y1="{t}" x2="{l}" y2="{}" stroke="black"/>"#,
+        h - b,
+        w - r,
+        h - b,
+        h - b
+    );
+    for i in 0..=4 {
+        let (fx, fy) = (x0 + (x1 - x0) * i as f64 / 4.0, y0 + (y1 - y0) * i as f64 / 4.0);
+        let _ = write!(
+            s,
+            r##"<text x="{:.1}" y="{}" text-anchor="middle">{}</text><text x="{}" y="{:.1}" text-anchor="end">{}</text><line x1="{l}" y1="{:.1}" x2="{}" y2="{:.1}" stroke="#ddd"/>"##,
+            sx(fx),
+            h - b + 18.0,
+            tick(fx),
+            l - 6.0,
+            sy(fy) + 4.0,
+            tick(fy),
+            sy(fy),
+            w - r,
+            sy(fy)
+        );
+    }
+    for (k, (name, v)) in data.iter().enumerate() {
+        let color = COLORS[k % COLORS.len()];
+        if bars {
+            let bw = ((w - l - r) / (x1 - x0) * 0.8).max(1.0);
+            for &(x, y) in v.iter().filter(|p| p.1.is_finite()) {
+                let _ = write!(
+                    s,
+                    r#"<rect x="{:.1}" y="{:.1}" width="{bw:.1}" height="{:.1}" fill="{color}"/>"#,
+                    sx(x) - bw / 2.0,
+                    sy(y),
+                    (sy(y0) - sy(y)).max(0.0)
+                );
+            }
+        } else {
+            let path: Vec<String> = v
+                .iter()
+                .filter(|p| p.1.is_finite())
+                .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
+                .collect();
+            let _ = write!(
+                s,
+                r#"<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{}"/>"#,
+                path.join(" ")
+            );
+        }
+        let _ = write!(
+            s,
+            r#"<rect x="{}" y="{}" width="10" height="10" fill="{color}"/><text x="{}" y="{}">{}</text>"#,
+            l + 10.0 + 150.0 * k as f64,
+            t - 8.0,
+            l + 24.0 + 150.0 * k as f64,
+            t + 1.0,
+            xml(name)
+        );
+    }
+    s.push_str("</svg>");
+    s
+}
+
+fn tick(v: f64) -> String {
+    if v.abs() >= 1000.0 || (v.fract() == 0.0 && v.abs() >= 10.0) {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+fn xml(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+/// Writes the report; returns the HTML page's path.
+pub async fn report(a: ReportArgs) -> Result<PathBuf> {
+    let out = a.out.unwrap_or_else(|| a.run_dir.join("report"));
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let sql = Sql::open(&a.run_dir).await?;
+    let mut html = String::from(
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>streamrl run report</title>\
+         <style>body{font-family:sans-serif;max-width:760px;margin:2em auto}pre{background:#f4f4f4;padding:.5em;white-space:pre-wrap}</style>\
+         </head><body><h1>streamrl run report</h1>",
+    );
+    let _ = write!(
+        html,
+        "<p>Run directory: <code>{}</code></p>",
+        xml(&a.run_dir.display().to_string())
+    );
+    for c in &CHARTS {
+        let data = if c.sql.contains("FROM rollouts") && !sql.tables().iter().any(|t| t == "rollouts")
+            || c.sql.contains("FROM metrics") && !sql.tables().iter().any(|t| t == "metrics")
+        {
+            Vec::new()
+        } else {
+            series(&sql, c.sql)
+                .await
+                .with_context(|| format!("query for {}", c.file))?
+        };
+        write_file(&out.join(c.file), &svg(c.title, &data, c.bars))?;
+        let _ = write!(
+            html,
+            "<h2>{}</h2><img src=\"{}\" alt=\"{}\"><pre>{}</pre>",
+            xml(c.title),
+            c.file,
+            xml(c.title),
+            xml(c.sql)
+        );
+    }
+    html.push_str("<h2>Rows per topic</h2><table border=\"1\" cellpadding=\"4\"><tr><th>topic</th><th>rows</th></tr>");
+    for t in sql.tables() {
+        let n = sql.query(&format!("SELECT count(*) FROM \"{t}\"")).await?;
+        let rows = n
+            .first()
+            .map(|b| f64_column(b.column(0)).unwrap_or_default())
+            .unwrap_or_default();
+        let _ = write!(
+            html,
+            "<tr><td>{}</td><td>{}</td></tr>",
+            xml(t),
+            rows.first().copied().unwrap_or(0.0)
+        );
+    }
+    html.push_str("</table></body></html>");
+    let page = out.join("index.html");
+    write_file(&page, &html)?;
+    Ok(page)
+}
+
+fn write_file(path: &Path, text: &str) -> Result<()> {
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
