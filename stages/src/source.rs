@@ -6,8 +6,11 @@
 //! default 2, generation runs at most two policy versions ahead of the trainer, and with 0
 //! the loop is synchronous. Emitted-but-untrained groups count (admission is by step, not
 //! by finished groups), and the trainer consumes exactly `groups_per_step` groups per
-//! version, so the accounting stays exact. The position (`next_group`) and the latest
-//! version survive a restart (stage snapshot).
+//! version, so the accounting stays exact. Admission starts with the first policy version
+//! seen (the trainer announces its version when it starts). The position (`next_group`)
+//! survives a restart (stage snapshot); after one, groups of steps the trainer has not
+//! trained yet are admitted again under the same ids, since an in-process bus loses what
+//! was in flight.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -121,6 +124,8 @@ pub struct SourceStage {
     tokenizer: Tokenizer,
     prompts: String,
     state: State,
+    /// Whether a policy version has been seen since start (admission waits for it).
+    synced: bool,
 }
 
 impl std::fmt::Debug for SourceStage {
@@ -161,6 +166,7 @@ impl SourceStage {
                 next_group: 0,
                 latest_version: 0,
             },
+            synced: false,
         })
     }
 
@@ -236,14 +242,21 @@ impl SourceStage {
 
 #[async_trait]
 impl Stage for SourceStage {
-    async fn start(&mut self, out: &mut Emitter) -> Result<(), StageError> {
-        self.admit(out)
-    }
-
     async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
         if input.schema == SchemaId::Policy {
-            for p in rows::<PolicyRow>(&input.batch)? {
-                self.state.latest_version = self.state.latest_version.max(p.version as u64);
+            let Some(v) = rows::<PolicyRow>(&input.batch)?.iter().map(|p| p.version as u64).max() else {
+                return Ok(());
+            };
+            if !self.synced {
+                // The first version seen since start is where the trainer stands: groups
+                // admitted for steps it has not trained may have been lost with an
+                // in-process bus, so they are admitted again, under the same ids (the
+                // trainer skips any sample it already holds).
+                self.synced = true;
+                self.state.latest_version = v;
+                self.state.next_group = self.state.next_group.min(v * self.cfg.groups_per_step as u64);
+            } else {
+                self.state.latest_version = self.state.latest_version.max(v);
             }
             self.admit(out)?;
         }
@@ -255,7 +268,10 @@ impl Stage for SourceStage {
     }
 
     async fn tick(&mut self, out: &mut Emitter) -> Result<(), StageError> {
-        self.admit(out)
+        if self.synced {
+            self.admit(out)?;
+        }
+        Ok(())
     }
 
     fn snapshot(&self) -> Option<Vec<u8>> {

@@ -194,6 +194,20 @@ async fn source_admits_groups_only_within_the_async_level_and_resumes_its_positi
     let mut stage = SourceStage::build(cfg.clone(), c.clone()).unwrap();
     let mut out = Emitter::default();
     stage.start(&mut out).await.unwrap();
+    stage.tick(&mut out).await.unwrap();
+    assert!(
+        out.drain().is_empty(),
+        "admitted before the trainer's version was known"
+    );
+    let policy = |v: u32| PolicyRow {
+        run_id: "test".into(),
+        version: v,
+        step: v as u64,
+        uri: String::new(),
+        sha256: String::new(),
+        created_at: 0,
+    };
+    stage.process(input("policy", &[policy(0)]), &mut out).await.unwrap();
     let first: Vec<PromptRow> = batches(&mut out, "prompts");
     // Version 0 and async level 1: steps 0 and 1, three groups each.
     assert_eq!(first.iter().map(|p| p.step).collect::<Vec<_>>(), vec![0, 0, 0, 1, 1, 1]);
@@ -204,20 +218,12 @@ async fn source_admits_groups_only_within_the_async_level_and_resumes_its_positi
     );
     stage.tick(&mut out).await.unwrap();
     assert!(out.drain().is_empty(), "admitted past the async level");
-    let policy = |v: u32| PolicyRow {
-        run_id: "test".into(),
-        version: v,
-        step: v as u64,
-        uri: String::new(),
-        sha256: String::new(),
-        created_at: 0,
-    };
     stage.process(input("policy", &[policy(1)]), &mut out).await.unwrap();
     let second: Vec<PromptRow> = batches(&mut out, "prompts");
     assert_eq!(second.iter().map(|p| p.step).collect::<Vec<_>>(), vec![2, 2, 2]);
-    // A restarted source continues where the snapshot says.
+    // A restarted source continues where the snapshot says...
     let snap = stage.snapshot().unwrap();
-    let mut again = SourceStage::build(cfg, c).unwrap();
+    let mut again = SourceStage::build(cfg.clone(), c.clone()).unwrap();
     again.restore(&snap).unwrap();
     again.process(input("policy", &[policy(5)]), &mut out).await.unwrap();
     let third: Vec<PromptRow> = batches(&mut out, "prompts");
@@ -233,6 +239,24 @@ async fn source_admits_groups_only_within_the_async_level_and_resumes_its_positi
         .map(|p| p.group_id.clone())
         .collect();
     assert_eq!(ids.len(), 12);
+    // ...but admits again, under the same ids, the groups of steps the trainer has not
+    // trained (lost with an in-process bus).
+    let mut behind = SourceStage::build(cfg, c).unwrap();
+    behind.restore(&snap).unwrap();
+    behind.process(input("policy", &[policy(1)]), &mut out).await.unwrap();
+    let again_rows: Vec<PromptRow> = batches(&mut out, "prompts");
+    assert_eq!(
+        again_rows.iter().map(|p| p.step).collect::<Vec<_>>(),
+        vec![1, 1, 1, 2, 2, 2]
+    );
+    assert_eq!(
+        again_rows.iter().map(|p| p.group_id.clone()).collect::<Vec<_>>(),
+        first[3..]
+            .iter()
+            .chain(&second)
+            .map(|p| p.group_id.clone())
+            .collect::<Vec<_>>()
+    );
 }
 
 fn prompt(group: &str, size: u32) -> PromptRow {
