@@ -1,0 +1,515 @@
+//! The sandbox's init process (the `streamrl-sandbox-init` binary).
+//!
+//! 1. Started by the host with an [`InitConfig`] as its argument, it unshares user, mount,
+//!    pid, network, IPC, UTS and cgroup namespaces, writes one byte to stdout and waits
+//!    for one byte on stdin while the host writes its uid/gid maps.
+//! 2. It forks; the child is pid 1 of the new pid namespace (and dies with its parent).
+//!    It builds a new root on a tmpfs: the `ro_binds` read-only, a fresh `/proc` that
+//!    shows only the sandbox's processes, a `/dev` with null, zero, random and urandom,
+//!    private `/work` and `/tmp` tmpfs mounts, then `pivot_root`s into it, drops the old
+//!    root and makes `/` read-only. The network namespace has only a loopback that is
+//!    down. It then answers `Ready`.
+//! 3. Each `Exec` forks a command that starts a new session, gets the rlimits, drops to
+//!    the unprivileged uid (or every capability), sets `no_new_privs`, installs the
+//!    seccomp filter and execs. Init feeds stdin, captures stdout/stderr up to their caps
+//!    and enforces the wall clock. When the command ends, or on a timeout or output cap,
+//!    `kill(-1, SIGKILL)` removes every process left in the namespace, so nothing a
+//!    command starts outlives it.
+
+use std::io::{self, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use crate::protocol::{ExecRequest, InitConfig, RawExec, Request, Response, read_frame, write_frame};
+use crate::{seccomp, sys};
+
+/// Where the new root is assembled before `pivot_root` (in the init's private mount
+/// namespace, so the host's `/tmp` is untouched).
+const STAGING: &str = "/tmp";
+
+/// Entry point of the init binary.
+pub fn main() -> ! {
+    let cfg: InitConfig = match std::env::args().nth(1).map(|a| serde_json::from_str(&a)) {
+        Some(Ok(c)) => c,
+        Some(Err(e)) => fail(&format!("bad init configuration: {e}")),
+        None => fail("usage: streamrl-sandbox-init CONFIG_JSON (started by the sandbox pool)"),
+    };
+    let flags = libc::CLONE_NEWUSER
+        | libc::CLONE_NEWNS
+        | libc::CLONE_NEWPID
+        | libc::CLONE_NEWNET
+        | libc::CLONE_NEWIPC
+        | libc::CLONE_NEWUTS
+        | libc::CLONE_NEWCGROUP;
+    if let Err(e) = sys::unshare(flags) {
+        fail(&format!(
+            "unshare(user, mount, pid, net, ipc, uts, cgroup namespaces): {e}"
+        ));
+    }
+    // Handshake: the host writes our uid/gid maps, then answers.
+    let mut stdout = io::stdout().lock();
+    let mut stdin = io::stdin().lock();
+    let mut b = [0u8; 1];
+    if stdout.write_all(b"U").and_then(|_| stdout.flush()).is_err() || stdin.read_exact(&mut b).is_err() {
+        fail("host went away during the uid map handshake");
+    }
+    // Become the mapped root of the new namespace (the host's ids are not mapped in it).
+    if let Err(e) = sys::drop_to(0, 0) {
+        fail(&format!("become root of the user namespace: {e}"));
+    }
+    match sys::fork() {
+        Err(e) => fail(&format!("fork into the pid namespace: {e}")),
+        Ok(sys::Fork::Parent(pid)) => {
+            let status = sys::wait_blocking(pid).unwrap_or(1);
+            sys::exit_now(if libc::WIFEXITED(status) {
+                libc::WEXITSTATUS(status)
+            } else {
+                1
+            })
+        }
+        Ok(sys::Fork::Child) => {
+            let _ = sys::set_parent_death_signal(libc::SIGKILL);
+            if let Err(e) = build_root(&cfg) {
+                let _ = write_frame(
+                    &mut stdout,
+                    &Response::Error {
+                        message: format!("sandbox set-up: {e}"),
+                    },
+                    &[],
+                );
+                sys::exit_now(1);
+            }
+            let _ = write_frame(&mut stdout, &Response::Ready, &[]);
+            serve(&cfg, &mut stdin, &mut stdout)
+        }
+    }
+}
+
+fn fail(msg: &str) -> ! {
+    // The host reads this on stderr when the handshake fails.
+    eprintln!("streamrl-sandbox-init: {msg}");
+    sys::exit_now(2)
+}
+
+fn ctx<T>(r: io::Result<T>, what: impl FnOnce() -> String) -> io::Result<T> {
+    r.map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", what())))
+}
+
+fn build_root(cfg: &InitConfig) -> io::Result<()> {
+    let staging = Path::new(STAGING);
+    ctx(
+        sys::mount(None, Path::new("/"), None, libc::MS_REC | libc::MS_PRIVATE, None),
+        || "make / private".into(),
+    )?;
+    ctx(
+        sys::mount(
+            Some("tmpfs"),
+            staging,
+            Some("tmpfs"),
+            libc::MS_NOSUID | libc::MS_NODEV,
+            Some("size=1m,mode=0755"),
+        ),
+        || "mount the new root tmpfs".into(),
+    )?;
+    let at = |p: &str| staging.join(p.trim_start_matches('/'));
+    for d in ["dev", "proc", "work", "tmp", "etc", ".old"] {
+        std::fs::create_dir_all(at(d))?;
+    }
+    for host in &cfg.ro_binds {
+        let hp = Path::new(host);
+        let Ok(meta) = std::fs::symlink_metadata(hp) else {
+            continue;
+        };
+        let target = at(host);
+        if let Some(parent) = target.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        if meta.file_type().is_symlink() {
+            std::os::unix::fs::symlink(std::fs::read_link(hp)?, &target)?;
+            continue;
+        }
+        if meta.is_dir() {
+            std::fs::create_dir_all(&target)?;
+        } else {
+            std::fs::write(&target, b"")?;
+        }
+        bind_ro(hp, &target)?;
+    }
+    ctx(
+        sys::mount(
+            Some("proc"),
+            &at("proc"),
+            Some("proc"),
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            None,
+        ),
+        || "mount /proc".into(),
+    )?;
+    ctx(
+        sys::mount(
+            Some("tmpfs"),
+            &at("dev"),
+            Some("tmpfs"),
+            libc::MS_NOSUID | libc::MS_NOEXEC,
+            Some("size=64k,mode=0755"),
+        ),
+        || "mount /dev".into(),
+    )?;
+    for dev in ["null", "zero", "random", "urandom"] {
+        let t = at("dev").join(dev);
+        std::fs::write(&t, b"")?;
+        ctx(
+            sys::mount(Some(&format!("/dev/{dev}")), &t, None, libc::MS_BIND, None),
+            || format!("bind /dev/{dev}"),
+        )?;
+    }
+    for (name, target) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        std::os::unix::fs::symlink(target, at("dev").join(name))?;
+    }
+    let owner = cfg.run_as.unwrap_or(0);
+    let flags = libc::MS_NOSUID | libc::MS_NODEV;
+    let work = format!("size={},mode=0755,uid={owner},gid={owner}", cfg.work_bytes);
+    ctx(
+        sys::mount(Some("tmpfs"), &at("work"), Some("tmpfs"), flags, Some(&work)),
+        || "mount /work".into(),
+    )?;
+    let tmp = format!("size={},mode=1777", cfg.tmp_bytes);
+    ctx(
+        sys::mount(Some("tmpfs"), &at("tmp"), Some("tmpfs"), flags, Some(&tmp)),
+        || "mount /tmp".into(),
+    )?;
+    std::fs::write(
+        at("etc/passwd"),
+        format!("root:x:0:0::/:/bin/sh\nsandbox:x:{owner}:{owner}::/work:/bin/sh\n"),
+    )?;
+    std::fs::write(at("etc/group"), format!("root:x:0:\nsandbox:x:{owner}:\n"))?;
+
+    ctx(sys::pivot_root(staging, &at(".old")), || "pivot_root".into())?;
+    std::env::set_current_dir("/")?;
+    ctx(sys::umount2(Path::new("/.old"), libc::MNT_DETACH), || {
+        "detach the old root".into()
+    })?;
+    std::fs::remove_dir("/.old")?;
+    let root_flags = sys::locked_mount_flags(Path::new("/"))?;
+    ctx(
+        sys::mount(
+            None,
+            Path::new("/"),
+            None,
+            libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | root_flags,
+            None,
+        ),
+        || "make / read-only".into(),
+    )?;
+    ctx(sys::sethostname("sandbox"), || "sethostname".into())?;
+    Ok(())
+}
+
+fn bind_ro(src: &Path, target: &Path) -> io::Result<()> {
+    ctx(
+        sys::mount(
+            Some(&src.to_string_lossy()),
+            target,
+            None,
+            libc::MS_BIND | libc::MS_REC,
+            None,
+        ),
+        || format!("bind {}", src.display()),
+    )?;
+    let locked = sys::locked_mount_flags(src)?;
+    ctx(
+        sys::mount(
+            None,
+            target,
+            None,
+            libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | locked,
+            None,
+        ),
+        || format!("make {} read-only", src.display()),
+    )
+}
+
+fn serve(cfg: &InitConfig, stdin: &mut impl Read, stdout: &mut impl Write) -> ! {
+    loop {
+        let (req, blobs): (Request, Vec<Vec<u8>>) = match read_frame(stdin) {
+            Ok(r) => r,
+            Err(_) => sys::exit_now(0), // the host closed the pipe: the sandbox is done
+        };
+        let blob = blobs.into_iter().next().unwrap_or_default();
+        let (resp, out): (Response, Vec<u8>) = match req {
+            Request::Exec(mut e) => {
+                e.stdin = blob;
+                (Response::Exec(exec(cfg, &e)), vec![])
+            }
+            Request::WriteFile { path, mode } => match work_path(&path).and_then(|p| write_file(&p, mode, &blob)) {
+                Ok(()) => (Response::Written, vec![]),
+                Err(e) => (
+                    Response::Error {
+                        message: format!("write {path}: {e}"),
+                    },
+                    vec![],
+                ),
+            },
+            Request::ReadFile { path, max_bytes } => match work_path(&path).and_then(|p| read_file(&p, max_bytes)) {
+                Ok(data) => (Response::File, data),
+                Err(e) => (
+                    Response::Error {
+                        message: format!("read {path}: {e}"),
+                    },
+                    vec![],
+                ),
+            },
+        };
+        let blobs: Vec<&[u8]> = if out.is_empty() { vec![] } else { vec![&out] };
+        if write_frame(stdout, &resp, &blobs).is_err() {
+            sys::exit_now(0);
+        }
+    }
+}
+
+/// A path under `/work`, with no `..` (files are opened without following a final
+/// symlink, so a command cannot aim a later download at a file outside).
+fn work_path(p: &str) -> io::Result<PathBuf> {
+    let rel = p.strip_prefix("/work").unwrap_or(p).trim_start_matches('/');
+    let rel = Path::new(rel);
+    if rel.as_os_str().is_empty() || rel.components().any(|c| !matches!(c, Component::Normal(_))) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "path must name a file under /work without `..`",
+        ));
+    }
+    Ok(Path::new("/work").join(rel))
+}
+
+fn write_file(p: &Path, mode: u32, data: &[u8]) -> io::Result<()> {
+    if let Some(parent) = p.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(p)?;
+    f.write_all(data)?;
+    f.set_permissions(std::fs::Permissions::from_mode(mode))?;
+    Ok(())
+}
+
+fn read_file(p: &Path, max: u64) -> io::Result<Vec<u8>> {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(p)?;
+    let len = f.metadata()?.len();
+    if len > max {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("file is {len} bytes, over the limit of {max}"),
+        ));
+    }
+    let mut v = Vec::with_capacity(len as usize);
+    f.take(max).read_to_end(&mut v)?;
+    Ok(v)
+}
+
+fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
+    let started = Instant::now();
+    let cpu_before = sys::children_cpu_ms();
+    let mut raw = RawExec {
+        exit_code: None,
+        signal: None,
+        timed_out: false,
+        output_limit: None,
+        spawn_error: None,
+        stdout: String::new(),
+        stderr: String::new(),
+        wall_ms: 0.0,
+        cpu_ms: 0,
+        max_rss_bytes: 0,
+    };
+    if req.argv.is_empty() {
+        raw.spawn_error = Some("argv is empty".into());
+        return raw;
+    }
+    let l = req.limits;
+    let mut cmd = Command::new(&req.argv[0]);
+    cmd.args(&req.argv[1..])
+        .env_clear()
+        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+        .env("HOME", "/work")
+        .env("TMPDIR", "/tmp")
+        .env("LANG", "C.UTF-8")
+        .envs(&req.env)
+        .current_dir(req.cwd.as_deref().unwrap_or("/work"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let run_as = cfg.run_as;
+    let filter = seccomp::filter();
+    sys::pre_exec(&mut cmd, move || {
+        sys::setsid()?;
+        sys::setrlimit2(libc::RLIMIT_CPU, l.cpu_secs, l.cpu_secs + 1)?;
+        sys::setrlimit(libc::RLIMIT_AS, l.address_space_bytes)?;
+        sys::setrlimit(libc::RLIMIT_FSIZE, l.file_size_bytes)?;
+        sys::setrlimit(libc::RLIMIT_NOFILE, l.open_files)?;
+        sys::setrlimit(libc::RLIMIT_CORE, 0)?;
+        match run_as {
+            Some(uid) => {
+                sys::setrlimit(libc::RLIMIT_NPROC, l.processes)?;
+                sys::drop_to(uid, uid)?;
+            }
+            None => sys::drop_all_capabilities()?,
+        }
+        sys::set_no_new_privs()?;
+        sys::seccomp_install(&filter)
+    });
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            raw.exit_code = Some(127);
+            raw.spawn_error = Some(format!("cannot run `{}`: {e}", req.argv[0]));
+            raw.stderr = raw.spawn_error.clone().unwrap_or_default();
+            return raw;
+        }
+    };
+    let pid = child.id() as libc::pid_t;
+    let pidfd = sys::pidfd_open(pid).ok();
+    let mut cin = child.stdin.take();
+    let mut cout = child.stdout.take().expect("piped");
+    let mut cerr = child.stderr.take().expect("piped");
+    for fd in [cout.as_raw_fd(), cerr.as_raw_fd()]
+        .into_iter()
+        .chain(cin.as_ref().map(|c| c.as_raw_fd()))
+    {
+        let _ = sys::set_nonblocking(fd);
+    }
+    let mut written = 0usize;
+    if req.stdin.is_empty() {
+        cin = None; // EOF at once
+    }
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let (mut out_open, mut err_open) = (true, true);
+    let mut exit = None;
+    let mut buf = vec![0u8; 64 << 10];
+    let deadline = started + std::time::Duration::from_millis(l.wall_ms);
+    while exit.is_none() || out_open || err_open {
+        if exit.is_none() {
+            exit = sys::try_wait(pid).ok().flatten();
+            if exit.is_some() {
+                // Whatever the command left running dies with it, so its pipes close.
+                let _ = sys::kill(-1, libc::SIGKILL);
+            }
+        }
+        let now = Instant::now();
+        if now >= deadline && !raw.timed_out && exit.is_none() {
+            raw.timed_out = true;
+            let _ = sys::kill(-1, libc::SIGKILL);
+        }
+        if raw.output_limit.is_some() || raw.timed_out {
+            // Drain what is buffered without waiting for more.
+            if exit.is_some() {
+                break;
+            }
+        }
+        let mut fds = vec![];
+        if out_open {
+            fds.push((cout.as_raw_fd(), libc::POLLIN));
+        }
+        if err_open {
+            fds.push((cerr.as_raw_fd(), libc::POLLIN));
+        }
+        if let Some(c) = &cin {
+            fds.push((c.as_raw_fd(), libc::POLLOUT));
+        }
+        let exit_fd = pidfd.as_ref().filter(|_| exit.is_none());
+        if let Some(p) = exit_fd {
+            fds.push((p.as_raw_fd(), libc::POLLIN));
+        }
+        // With a pidfd, poll wakes at the exit; without one, look every 2 ms.
+        let cap = if exit_fd.is_some() { 1000 } else { 2 };
+        let wait = if exit.is_some() {
+            0
+        } else {
+            deadline.saturating_duration_since(now).as_millis().clamp(1, cap) as i32
+        };
+        if fds.is_empty() {
+            std::thread::sleep(std::time::Duration::from_millis(wait as u64));
+            continue;
+        }
+        let _ = sys::poll(&fds, wait);
+        if let Some(c) = &mut cin {
+            match c.write(&req.stdin[written..]) {
+                Ok(n) => {
+                    written += n;
+                    if written >= req.stdin.len() {
+                        cin = None;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(_) => cin = None,
+            }
+        }
+        for (stream, open, acc, cap, name) in [
+            (
+                &mut cout as &mut dyn Read,
+                &mut out_open,
+                &mut out,
+                l.stdout_bytes,
+                "stdout",
+            ),
+            (
+                &mut cerr as &mut dyn Read,
+                &mut err_open,
+                &mut err,
+                l.stderr_bytes,
+                "stderr",
+            ),
+        ] {
+            if !*open {
+                continue;
+            }
+            loop {
+                match stream.read(&mut buf) {
+                    Ok(0) => {
+                        *open = false;
+                        break;
+                    }
+                    Ok(n) => {
+                        let room = (cap as usize).saturating_sub(acc.len());
+                        acc.extend_from_slice(&buf[..n.min(room)]);
+                        if n > room && raw.output_limit.is_none() {
+                            raw.output_limit = Some(name.to_string());
+                            let _ = sys::kill(-1, libc::SIGKILL);
+                        }
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(_) => {
+                        *open = false;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    sys::reap_all();
+    let exit = exit.expect("loop ends after the exit");
+    raw.exit_code = exit.code;
+    raw.signal = exit.signal;
+    raw.stdout = String::from_utf8_lossy(&out).into_owned();
+    raw.stderr = String::from_utf8_lossy(&err).into_owned();
+    raw.wall_ms = started.elapsed().as_secs_f64() * 1e3;
+    raw.cpu_ms = sys::children_cpu_ms().saturating_sub(cpu_before).max(exit.cpu_ms);
+    raw.max_rss_bytes = exit.max_rss_bytes;
+    raw
+}

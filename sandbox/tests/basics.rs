@@ -1,0 +1,72 @@
+//! The sandbox runs commands and reports what they did.
+
+use streamrl_sandbox::{ExecRequest, ExecStatus, Limits, Pool, SandboxConfig};
+
+fn pool() -> Pool {
+    let cfg = SandboxConfig {
+        init: Some(env!("CARGO_BIN_EXE_streamrl-sandbox-init").into()),
+        pool_size: 2,
+        ..SandboxConfig::default()
+    };
+    Pool::new(cfg).expect("sandboxes run on this host")
+}
+
+#[test]
+fn runs_python_with_stdin_files_and_statuses() {
+    let pool = pool();
+    let r = pool.exec(&ExecRequest::python("print(6 * 7)"));
+    assert_eq!(
+        (r.status, r.stdout.as_str(), r.exit_code),
+        (ExecStatus::Ok, "42\n", Some(0)),
+        "{r:?}"
+    );
+    assert!(r.wall_ms > 0.0 && r.peak_memory_bytes > 0, "{r:?}");
+
+    let r = pool.exec(&ExecRequest::python("import sys; print(sys.stdin.read().upper())").with_stdin("abc"));
+    assert_eq!(r.stdout, "ABC\n", "{r:?}");
+
+    let r = pool.exec(&ExecRequest::python("import sys; sys.exit(3)"));
+    assert_eq!((r.status, r.exit_code), (ExecStatus::NonzeroExit, Some(3)), "{r:?}");
+    assert_eq!(r.reason, "exit code 3");
+
+    let r = pool.exec(&ExecRequest::new(["no-such-program"]));
+    assert_eq!((r.status, r.exit_code), (ExecStatus::NonzeroExit, Some(127)), "{r:?}");
+    assert!(r.reason.contains("cannot run `no-such-program`"), "{r:?}");
+
+    let r = pool.exec(&ExecRequest::python("import os, pwd; print(os.getuid(), os.getcwd(), open('/etc/hostname').read() if os.path.exists('/etc/hostname') else os.uname().nodename)"));
+    assert_eq!(r.stdout, "1000 /work sandbox\n", "{r:?}");
+
+    let too_much = Limits {
+        wall_ms: 1 << 40,
+        ..Limits::default()
+    };
+    let r = pool.exec(&ExecRequest::python("print(1)").with_limits(too_much));
+    assert_eq!(r.status, ExecStatus::InternalError);
+    assert!(
+        r.reason
+            .contains("limits.wall_ms = 1099511627776 exceeds the maximum 10000"),
+        "{r:?}"
+    );
+}
+
+#[test]
+fn a_session_keeps_files_between_commands_and_confines_file_paths() {
+    let pool = pool();
+    let mut s = pool.take().unwrap();
+    s.write_file("sol/main.py", b"print('hi from a file')", 0o644).unwrap();
+    let r = s.exec(&ExecRequest::new(["python3", "sol/main.py"]));
+    assert_eq!(r.stdout, "hi from a file\n", "{r:?}");
+    let r = s.exec(&ExecRequest::python(
+        "open('out.txt','w').write('x' * 10); import os; os.symlink('/etc/passwd', 'link')",
+    ));
+    assert_eq!(r.status, ExecStatus::Ok, "{r:?}");
+    assert_eq!(s.read_file("/work/out.txt", 100).unwrap(), b"xxxxxxxxxx");
+    let e = s.read_file("out.txt", 5).unwrap_err().to_string();
+    assert!(e.contains("over the limit of 5"), "{e}");
+    let e = s.read_file("../etc/passwd", 100).unwrap_err().to_string();
+    assert!(e.contains("without `..`"), "{e}");
+    assert!(
+        s.read_file("link", 1000).is_err(),
+        "a download does not follow a symlink"
+    );
+}
