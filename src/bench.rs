@@ -39,6 +39,22 @@ pub enum Which {
         #[arg(long, default_value_t = 1.2)]
         alpha: f64,
     },
+    /// Exec latency p50/p99 and execs/s of a small Python command through the warm
+    /// sandbox pool vs a bare fork+exec of the same command.
+    Sandbox {
+        /// Execs per row.
+        #[arg(long, default_value_t = 256)]
+        n: usize,
+        /// Concurrencies to measure (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "1,64")]
+        concurrency: Vec<usize>,
+        /// Sandboxes kept warm.
+        #[arg(long, default_value_t = 64)]
+        pool_size: usize,
+        /// The interpreter (the same path inside the sandbox and on the host).
+        #[arg(long, default_value = "/usr/bin/python3")]
+        python: String,
+    },
     /// Memory bus rows/s (vs an mpsc channel) and, with --kafka, Kafka MB/s (vs raw rdkafka).
     Bus {
         /// Kafka URL for the Kafka half (e.g. kafka://127.0.0.1:9092); omitted: memory only.
@@ -60,6 +76,12 @@ pub async fn run(which: Which) -> Result<()> {
     match which {
         Which::Train { steps, skip_large } => crate::bench_train::run(steps, skip_large),
         Which::Async { steps, alpha } => crate::bench_async::run(steps, alpha).await,
+        Which::Sandbox {
+            n,
+            concurrency,
+            pool_size,
+            python,
+        } => crate::bench_sandbox::run(n, concurrency, pool_size, python),
         Which::Generate { tokens } => crate::bench_train::generate(tokens),
         Which::Bus {
             kafka,

@@ -6,10 +6,12 @@
 
 mod bench;
 mod bench_async;
+mod bench_sandbox;
 mod bench_train;
 mod model_cmd;
 mod progress;
 mod report;
+mod sandbox_cmd;
 mod serve;
 mod stages;
 mod train_cmd;
@@ -132,6 +134,11 @@ enum Command {
     /// An OpenAI-compatible HTTP server (completions, chat completions) over the
     /// continuous-batching engine.
     Serve(serve::ServeArgs),
+    /// Sandboxes: `serve` runs the HTTP gateway over a warm pool.
+    Sandbox {
+        #[command(subcommand)]
+        cmd: sandbox_cmd::SandboxCmd,
+    },
     /// Plots of a run (reward, loss, masking, staleness, throughput, generation lag) from its
     /// archive with SQL: SVG files and an HTML page.
     Report(report::ReportArgs),
@@ -186,6 +193,7 @@ async fn main() -> std::process::ExitCode {
 async fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Serve(a) => serve::serve(a).await,
+        Command::Sandbox { cmd } => sandbox_cmd::run(cmd).await,
         Command::Report(a) => {
             let page = report::report(a).await?;
             println!("wrote {}", page.display());

@@ -54,7 +54,7 @@ pub fn check_config(kind: StageKind, config: &Value) -> Vec<String> {
         StageKind::Archive => problems::<ArchiveConfig>(config, ArchiveConfig::problems),
         StageKind::Source => problems::<SourceConfig>(config, SourceConfig::problems),
         StageKind::Rollout => problems::<RolloutConfig>(config, RolloutConfig::problems),
-        StageKind::Sandbox => problems::<SandboxConfig>(config, |_| vec![]),
+        StageKind::Sandbox => problems::<SandboxConfig>(config, |c| c.problems()),
         StageKind::Reward => problems::<RewardConfig>(config, |_| vec![]),
         StageKind::Mask => problems::<MaskConfig>(config, MaskConfig::problems),
         StageKind::Trainer => problems::<TrainerConfig>(config, TrainerConfig::problems),

@@ -245,6 +245,7 @@ pub fn evaluate(env: &dyn Environment, dir: &Path, n: usize, k: usize, max_token
                 problem: p,
                 completion: text,
                 parsed: parsed.as_deref(),
+                exec: None,
             })
             .reward
     };

@@ -205,7 +205,8 @@ mod tests {
                 .score(&ScoreInput {
                     problem: &p,
                     completion: &good,
-                    parsed: parsed.as_deref()
+                    parsed: parsed.as_deref(),
+                    exec: None
                 })
                 .reward,
             1.0
@@ -214,6 +215,7 @@ mod tests {
             problem: &p,
             completion: "banana",
             parsed: env.parse_answer("banana").as_deref(),
+            exec: None,
         });
         assert_eq!((s.reward, s.components[0].reason.as_str()), (0.0, "no answer found"));
     }

@@ -300,6 +300,7 @@ mod tests {
                 problem: &p,
                 completion: &c,
                 parsed: parsed.as_deref(),
+                exec: None,
             });
             assert!((s.reward - 1.1).abs() < 1e-6, "{p:?} {s:?}");
         }

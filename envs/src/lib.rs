@@ -10,20 +10,24 @@
 //! let p = env.sample(Split::Train, 42);
 //! let completion = env.reference_completion(&p).unwrap();
 //! let parsed = env.parse_answer(&completion);
-//! let score = env.rubric().score(&ScoreInput { problem: &p, completion: &completion, parsed: parsed.as_deref() });
+//! let score = env.rubric().score(&ScoreInput { problem: &p, completion: &completion, parsed: parsed.as_deref(), exec: None });
 //! assert_eq!(score.reward, 1.0);
 //! ```
 
 pub mod arith;
+pub mod code;
 pub mod countdown;
+pub mod dataset;
 pub mod equiv;
 pub mod math;
 pub mod parse;
 pub mod rubric;
+pub mod tool;
 
 use serde::{Deserialize, Serialize};
 
-pub use rubric::Rubric;
+pub use rubric::{ExecInfo, Rubric};
+pub use tool::ToolProtocol;
 
 /// Which side of the fixed train/eval split to draw from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -102,6 +106,46 @@ pub trait Environment: Send + Sync + std::fmt::Debug {
     fn reference_completion(&self, problem: &Problem) -> Option<String>;
     /// Reward logic.
     fn rubric(&self) -> &Rubric;
+    /// What must run in a sandbox before `completion` can be scored (`None`: nothing).
+    fn execution(&self, _problem: &Problem, _completion: &str) -> Option<Execution> {
+        None
+    }
+    /// The multi-turn tool protocol, for environments that offer tools.
+    fn tools(&self) -> Option<&ToolProtocol> {
+        None
+    }
+    /// Whether samples of this environment need a sandbox (to execute or for tools).
+    fn needs_sandbox(&self) -> bool {
+        self.tools().is_some()
+    }
+}
+
+/// A program to run in a sandbox for one sample: files written under `/work`, then
+/// `argv`. When `report_marker` is set, the program prints one line
+/// `MARKER {"passed": P, "total": T}` with its unit-test counts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Execution {
+    /// Files (path under `/work`, contents).
+    pub files: Vec<(String, String)>,
+    /// Program and arguments.
+    pub argv: Vec<String>,
+    /// Wall-clock limit in ms (`None`: the sandbox default).
+    pub wall_ms: Option<u64>,
+    /// Marker of the test-report line, if the program reports tests.
+    pub report_marker: Option<String>,
+}
+
+impl Execution {
+    /// The `(passed, total)` test counts reported on stdout (the last marker line wins),
+    /// or `None` when the program printed no report.
+    pub fn report(&self, stdout: &str) -> Option<(u32, u32)> {
+        let marker = self.report_marker.as_deref()?;
+        let line = stdout.lines().rev().find_map(|l| l.strip_prefix(marker))?;
+        let v: serde_json::Value = serde_json::from_str(line.trim()).ok()?;
+        let passed = u32::try_from(v.get("passed")?.as_u64()?).ok()?;
+        let total = u32::try_from(v.get("total")?.as_u64()?).ok()?;
+        (passed <= total).then_some((passed, total))
+    }
 }
 
 fn config<T: serde::de::DeserializeOwned + Default>(v: &serde_json::Value) -> Result<T, Vec<String>> {
@@ -123,8 +167,10 @@ pub fn build(name: &str, cfg: &serde_json::Value) -> Result<Box<dyn Environment>
             Ok(Box::new(countdown::Countdown::new()))
         }
         "math" => Ok(Box::new(math::Math::new(config(cfg)?)?)),
+        "code" => Ok(Box::new(code::Code::new(config(cfg)?)?)),
+        "tool" => Ok(Box::new(tool::Tool::new(config(cfg)?)?)),
         other => Err(vec![format!(
-            "unknown environment `{other}` (built in: arith, countdown, math; code and tool need the sandbox)"
+            "unknown environment `{other}` (built in: arith, countdown, math, code, tool)"
         )]),
     }
 }
@@ -162,6 +208,16 @@ impl Mix {
         self.envs.last().expect("non-empty").0.as_ref()
     }
 
+    /// Whether any environment of the mix needs a sandbox.
+    pub fn needs_sandbox(&self) -> bool {
+        self.envs.iter().any(|(e, _)| e.needs_sandbox())
+    }
+
+    /// The environments and their weights.
+    pub fn iter(&self) -> impl Iterator<Item = (&dyn Environment, f64)> {
+        self.envs.iter().map(|(e, w)| (e.as_ref(), *w))
+    }
+
     /// An environment by name.
     pub fn get(&self, name: &str) -> Option<&dyn Environment> {
         self.envs
@@ -177,7 +233,7 @@ mod tests {
 
     #[test]
     fn registry_and_mix() {
-        assert!(build("code", &serde_json::Value::Null).unwrap_err()[0].contains("unknown environment `code`"));
+        assert!(build("cobol", &serde_json::Value::Null).unwrap_err()[0].contains("unknown environment `cobol`"));
         let e = build("arith", &serde_json::json!({"eval_every": 1, "bogus": 2})).unwrap_err();
         assert!(e[0].contains("bogus"), "{e:?}");
         let mix = Mix::new(vec![

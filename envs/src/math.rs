@@ -2,8 +2,6 @@
 //! from `\boxed{}` (else `<answer>` tags, else the last number) and graded by
 //! equivalence; an optional format reward for boxing the answer.
 
-use std::path::Path;
-
 use serde::{Deserialize, Serialize};
 
 use crate::rubric::Rubric;
@@ -13,7 +11,8 @@ use crate::{Environment, Problem, Prompt, Split};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MathConfig {
-    /// JSONL dataset (`question`, `answer`, optional `id`); `None`: the built-in fixture.
+    /// Dataset file, JSON Lines or Parquet (`question` or `problem`, `answer` or
+    /// `solution`, optional `id`); `None`: the built-in fixture.
     pub dataset: Option<String>,
     /// Relative tolerance of numeric equivalence.
     pub tolerance: f64,
@@ -59,28 +58,25 @@ pub struct Math {
 impl Math {
     /// Loads the dataset; every problem with the config or the file is reported.
     pub fn new(cfg: MathConfig) -> Result<Self, Vec<String>> {
-        let text = match &cfg.dataset {
-            None => include_str!("../fixtures/math.jsonl").to_string(),
-            Some(p) => std::fs::read_to_string(Path::new(p)).map_err(|e| vec![format!("dataset `{p}`: {e}")])?,
-        };
-        let mut errs = Vec::new();
-        let mut all = Vec::new();
-        for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-            match serde_json::from_str::<Row>(line) {
-                Ok(r) => all.push(Problem {
-                    id: r.id.unwrap_or_else(|| format!("math-{}", n + 1)),
-                    env: "math".into(),
-                    question: r.question,
-                    answer: Some(r.answer),
-                    info: serde_json::Value::Null,
-                }),
-                Err(e) => errs.push(format!("dataset line {}: {e}", n + 1)),
-            }
-        }
+        let (rows, mut errs) =
+            match crate::dataset::load_as::<Row>(cfg.dataset.as_deref(), include_str!("../fixtures/math.jsonl")) {
+                Ok(rows) => (rows, Vec::new()),
+                Err(e) => (Vec::new(), e),
+            };
+        let all: Vec<Problem> = rows
+            .into_iter()
+            .map(|(n, r)| Problem {
+                id: r.id.unwrap_or_else(|| format!("math-{n}")),
+                env: "math".into(),
+                question: r.question,
+                answer: Some(r.answer),
+                info: serde_json::Value::Null,
+            })
+            .collect();
         if cfg.eval_every < 2 {
             errs.push(format!("eval_every {} must be at least 2", cfg.eval_every));
         }
-        if all.len() < 2 {
+        if errs.is_empty() && all.len() < 2 {
             errs.push(format!("dataset has {} problems; need at least 2", all.len()));
         }
         if !errs.is_empty() {
@@ -172,6 +168,7 @@ mod tests {
                 problem: p,
                 completion,
                 parsed: parsed.as_deref(),
+                exec: None,
             })
             .reward
     }

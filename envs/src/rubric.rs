@@ -14,6 +14,23 @@ pub struct ScoreInput<'a> {
     pub completion: &'a str,
     /// The answer the environment parsed out of it, if any.
     pub parsed: Option<&'a str>,
+    /// What the sandbox reported, for environments that execute something.
+    pub exec: Option<&'a ExecInfo>,
+}
+
+/// A sandbox's report on a sample, as the rubric sees it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ExecInfo {
+    /// ok, nonzero_exit, timeout, memory, output_limit, killed, internal_error or skipped.
+    pub status: String,
+    /// Unit tests passed.
+    pub tests_passed: u32,
+    /// Unit tests run.
+    pub tests_total: u32,
+    /// Captured stdout.
+    pub stdout: String,
+    /// Captured stderr.
+    pub stderr: String,
 }
 
 /// A reward function's result: a value (usually in [0, 1]) and why.
@@ -151,6 +168,7 @@ mod tests {
             problem: &p,
             completion: "4\n",
             parsed: Some("4"),
+            exec: None,
         });
         assert_eq!(s.reward, 1.5);
         assert_eq!(s.components[2].value, 0.0);

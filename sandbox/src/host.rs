@@ -62,19 +62,17 @@ impl Cgroups {
             let p = p.ok_or("no cgroup")?;
             std::fs::write(&p, &v).map_err(|e| format!("write {v} to {}: {e}", p.display()))
         };
-        w(
-            self.file(0, "memory.limit_in_bytes", "memory.max"),
-            l.memory_bytes.to_string(),
-        )?;
-        if !self.v2 {
-            // Without swap accounting this file is absent; then swap is simply not limited.
-            let _ = std::fs::write(
-                self.dirs[0].join("memory.memsw.limit_in_bytes"),
-                l.memory_bytes.to_string(),
-            );
-            let _ = std::fs::write(self.dirs[0].join("memory.max_usage_in_bytes"), "0");
-        } else {
+        if self.v2 {
+            w(self.file(0, "", "memory.max"), l.memory_bytes.to_string())?;
             let _ = std::fs::write(self.dirs[0].join("memory.swap.max"), "0");
+        } else {
+            // memory+swap must stay >= memory: it is written before (when growing) and
+            // after (when shrinking). Without swap accounting the file is absent.
+            let memsw = self.dirs[0].join("memory.memsw.limit_in_bytes");
+            let _ = std::fs::write(&memsw, l.memory_bytes.to_string());
+            w(self.file(0, "memory.limit_in_bytes", ""), l.memory_bytes.to_string())?;
+            let _ = std::fs::write(&memsw, l.memory_bytes.to_string());
+            let _ = std::fs::write(self.dirs[0].join("memory.max_usage_in_bytes"), "0");
         }
         w(self.file(1, "pids.max", "pids.max"), l.processes.to_string())
     }
@@ -146,6 +144,7 @@ pub struct Sandbox {
     cgroups: Option<Cgroups>,
     max: Limits,
     broken: bool,
+    uses: u32,
 }
 
 impl Sandbox {
@@ -190,6 +189,7 @@ impl Sandbox {
             cgroups,
             max: cfg.limits,
             broken: false,
+            uses: 0,
         };
         if let Some(cg) = &sb.cgroups {
             cg.add(sb.child.id()).map_err(Error::Cgroup)?;
@@ -298,6 +298,7 @@ impl Sandbox {
             None => 0,
         };
         let deadline = Duration::from_millis(req.limits.wall_ms) + Duration::from_secs(5);
+        self.uses += 1;
         match self.call(&Request::Exec(req.clone()), &req.stdin, deadline) {
             Ok((Response::Exec(raw), _)) => {
                 let (oom, peak) = match &self.cgroups {
@@ -308,6 +309,29 @@ impl Sandbox {
             }
             Ok((other, _)) => ExecResult::internal_error(format!("unexpected answer {other:?}")),
             Err(e) => ExecResult::internal_error(e.to_string()),
+        }
+    }
+
+    /// Commands run so far.
+    pub fn uses(&self) -> u32 {
+        self.uses
+    }
+
+    /// Whether the sandbox still answers (a protocol failure makes it unusable).
+    pub fn is_usable(&self) -> bool {
+        !self.broken
+    }
+
+    /// Makes the sandbox as new for another user: every process killed, empty `/work` and
+    /// `/tmp`, System V IPC objects removed, cgroup peak reset.
+    pub fn reset(&mut self) -> Result<(), Error> {
+        match self.call(&Request::Reset, &[], Duration::from_secs(10))? {
+            (Response::Ready, _) => Ok(()),
+            (Response::Error { message }, _) => {
+                self.broken = true;
+                Err(Error::Setup(message))
+            }
+            (other, _) => Err(Error::Protocol(format!("unexpected answer {other:?}"))),
         }
     }
 

@@ -213,6 +213,32 @@ fn build_root(cfg: &InitConfig) -> io::Result<()> {
     Ok(())
 }
 
+/// Mounts the writable tmpfs file systems: `/work` (owned by the command user) and `/tmp`.
+fn mount_scratch(cfg: &InitConfig, work: &Path, tmp: &Path) -> io::Result<()> {
+    let owner = cfg.run_as.unwrap_or(0);
+    let flags = libc::MS_NOSUID | libc::MS_NODEV;
+    let w = format!("size={},mode=0755,uid={owner},gid={owner}", cfg.work_bytes);
+    ctx(sys::mount(Some("tmpfs"), work, Some("tmpfs"), flags, Some(&w)), || {
+        "mount /work".into()
+    })?;
+    let t = format!("size={},mode=1777", cfg.tmp_bytes);
+    ctx(sys::mount(Some("tmpfs"), tmp, Some("tmpfs"), flags, Some(&t)), || {
+        "mount /tmp".into()
+    })
+}
+
+/// Makes the sandbox as new: no processes, empty `/work` and `/tmp`, no IPC objects.
+fn reset(cfg: &InitConfig) -> io::Result<()> {
+    if !sys::kill_and_reap_all(std::time::Duration::from_secs(5)) {
+        return Err(io::Error::other("processes survived SIGKILL for 5 s"));
+    }
+    for d in ["/work", "/tmp"] {
+        ctx(sys::umount2(Path::new(d), libc::MNT_DETACH), || format!("unmount {d}"))?;
+    }
+    sys::ipc_remove_all();
+    mount_scratch(cfg, Path::new("/work"), Path::new("/tmp"))
+}
+
 fn bind_ro(src: &Path, target: &Path) -> io::Result<()> {
     ctx(
         sys::mount(
@@ -254,6 +280,15 @@ fn serve(cfg: &InitConfig, stdin: &mut impl Read, stdout: &mut impl Write) -> ! 
                 Err(e) => (
                     Response::Error {
                         message: format!("write {path}: {e}"),
+                    },
+                    vec![],
+                ),
+            },
+            Request::Reset => match reset(cfg) {
+                Ok(()) => (Response::Ready, vec![]),
+                Err(e) => (
+                    Response::Error {
+                        message: format!("reset: {e}"),
                     },
                     vec![],
                 ),
@@ -502,7 +537,9 @@ fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
             }
         }
     }
-    sys::reap_all();
+    // Nothing the command started outlives it (zombies included, so a reused sandbox
+    // starts empty).
+    sys::kill_and_reap_all(std::time::Duration::from_secs(2));
     let exit = exit.expect("loop ends after the exit");
     raw.exit_code = exit.code;
     raw.signal = exit.signal;

@@ -109,6 +109,10 @@ pub struct SandboxConfig {
     pub cgroups: CgroupMode,
     /// First host uid of the range sandboxes map their users to (two per sandbox).
     pub uid_base: u32,
+    /// One-shot commands a sandbox serves before it is replaced. Between two commands it
+    /// is reset: every process killed, fresh empty `/work` and `/tmp`, System V IPC
+    /// objects removed. 1: a new sandbox for every command.
+    pub reuse: u32,
 }
 
 impl Default for SandboxConfig {
@@ -133,6 +137,7 @@ impl Default for SandboxConfig {
             limits: Limits::default(),
             cgroups: CgroupMode::Auto,
             uid_base: 200_000,
+            reuse: 32,
         }
     }
 }
@@ -150,6 +155,9 @@ impl SandboxConfig {
                     "ro_binds: `{p}` may not be /, or under /tmp, /proc, /dev or /work"
                 ));
             }
+        }
+        if self.reuse == 0 {
+            errs.push("reuse = 0 must be at least 1".into());
         }
         if !(1..=1024).contains(&self.pool_size) {
             errs.push(format!("pool_size = {} must be in 1..=1024", self.pool_size));

@@ -14,6 +14,9 @@ use crate::{Error, SandboxConfig};
 struct State {
     ready: VecDeque<Sandbox>,
     retire: Vec<Sandbox>,
+    recycle: Vec<Sandbox>,
+    /// Sandboxes out running one-shot commands; they come back to be reused.
+    lent: usize,
     shutdown: bool,
     stats: PoolStats,
 }
@@ -29,6 +32,8 @@ pub struct PoolStats {
     pub start_errors: u64,
     /// The last start error.
     pub last_error: Option<String>,
+    /// Sandboxes reset and put back for another command.
+    pub reused: u64,
 }
 
 #[derive(Debug)]
@@ -95,19 +100,30 @@ impl Pool {
     /// Takes a ready sandbox (or starts one here when none is ready) for the caller to
     /// keep, e.g. as a session; dropping it destroys it.
     pub fn take(&self) -> Result<Sandbox, Error> {
-        let warm = {
+        self.take_inner(false)
+    }
+
+    fn take_inner(&self, lend: bool) -> Result<Sandbox, Error> {
+        let (warm, used) = {
             let mut st = self.inner.state.lock().expect("pool lock");
+            st.lent += lend as usize;
             let s = st.ready.pop_front();
-            if s.is_none() {
-                st.stats.cold_starts += 1;
-            }
-            s
+            // None ready: a used one waiting for its reset is still cheaper than a start.
+            let used = if s.is_none() { st.recycle.pop() } else { None };
+            (s, used)
         };
         self.inner.cv.notify_all();
-        match warm {
-            Some(s) => Ok(s),
-            None => Sandbox::start(&self.inner.cfg),
+        if let Some(s) = warm {
+            return Ok(s);
         }
+        if let Some(mut s) = used
+            && s.reset().is_ok()
+        {
+            self.inner.state.lock().expect("pool lock").stats.reused += 1;
+            return Ok(s);
+        }
+        self.inner.state.lock().expect("pool lock").stats.cold_starts += 1;
+        Sandbox::start(&self.inner.cfg)
     }
 
     /// Hands a used sandbox to the background thread to be destroyed off the caller's
@@ -117,33 +133,45 @@ impl Pool {
         self.inner.cv.notify_all();
     }
 
-    /// Runs one command in a fresh sandbox (blocking). Sandbox failures come back as an
-    /// `internal_error` result.
-    pub fn exec(&self, req: &ExecRequest) -> ExecResult {
-        match self.take() {
-            Ok(mut s) => {
-                let r = s.exec(req);
-                self.retire(s);
-                r
-            }
-            Err(e) => ExecResult::internal_error(e.to_string()),
+    /// Hands a sandbox that ran one-shot commands back: reset and reused while it has
+    /// uses left (`reuse`), else destroyed. Both happen on the background thread.
+    fn done_with(&self, s: Sandbox, healthy: bool) {
+        let mut st = self.inner.state.lock().expect("pool lock");
+        st.lent -= 1;
+        if healthy && s.is_usable() && s.uses() < self.inner.cfg.reuse {
+            st.recycle.push(s);
+        } else {
+            st.retire.push(s);
         }
+        drop(st);
+        self.inner.cv.notify_all();
+    }
+
+    /// Runs one command in a fresh (or freshly reset) sandbox, blocking. Sandbox failures
+    /// come back as an `internal_error` result.
+    pub fn exec(&self, req: &ExecRequest) -> ExecResult {
+        self.exec_with_files(&[], req)
     }
 
     /// Writes `files` into a fresh sandbox's `/work`, then runs one command there.
     pub fn exec_with_files(&self, files: &[(&str, &[u8])], req: &ExecRequest) -> ExecResult {
-        let mut s = match self.take() {
+        let mut s = match self.take_inner(true) {
             Ok(s) => s,
-            Err(e) => return ExecResult::internal_error(e.to_string()),
-        };
-        for (path, data) in files {
-            if let Err(e) = s.write_file(path, data, 0o644) {
-                self.retire(s);
+            Err(e) => {
+                self.inner.state.lock().expect("pool lock").lent -= 1;
+                self.inner.cv.notify_all();
                 return ExecResult::internal_error(e.to_string());
             }
+        };
+        let mut r = None;
+        for (path, data) in files {
+            if let Err(e) = s.write_file(path, data, 0o644) {
+                r = Some(ExecResult::internal_error(e.to_string()));
+                break;
+            }
         }
-        let r = s.exec(req);
-        self.retire(s);
+        let r = r.unwrap_or_else(|| s.exec(req));
+        self.done_with(s, r.status != crate::ExecStatus::InternalError);
         r
     }
 }
@@ -160,21 +188,46 @@ impl Drop for Pool {
 
 fn refill_loop(inner: &Inner) {
     loop {
-        let (need, retire) = {
+        let (need, retire, recycle) = {
             let mut st = inner.state.lock().expect("pool lock");
-            while !st.shutdown && st.ready.len() >= inner.cfg.pool_size && st.retire.is_empty() {
+            while !st.shutdown
+                && st.ready.len() + st.lent >= inner.cfg.pool_size
+                && st.retire.is_empty()
+                && st.recycle.is_empty()
+            {
                 st = inner.cv.wait(st).expect("pool lock");
             }
             if st.shutdown {
                 let st = &mut *st;
-                let retire: Vec<Sandbox> = st.retire.drain(..).chain(st.ready.drain(..)).collect();
+                let retire: Vec<Sandbox> = st
+                    .retire
+                    .drain(..)
+                    .chain(st.ready.drain(..))
+                    .chain(st.recycle.drain(..))
+                    .collect();
                 drop(retire);
                 return;
             }
-            (st.ready.len() < inner.cfg.pool_size, std::mem::take(&mut st.retire))
+            (
+                st.ready.len() + st.lent < inner.cfg.pool_size,
+                std::mem::take(&mut st.retire),
+                std::mem::take(&mut st.recycle),
+            )
         };
         drop(retire);
-        if need {
+        let mut reset_ok = 0;
+        for mut s in recycle {
+            if s.reset().is_ok() {
+                let mut st = inner.state.lock().expect("pool lock");
+                if st.ready.len() < inner.cfg.pool_size {
+                    reset_ok += 1;
+                    st.stats.reused += 1;
+                    st.ready.push_back(s);
+                }
+                // else: the pool is full; `s` is destroyed as it goes out of scope.
+            }
+        }
+        if need && reset_ok == 0 {
             match Sandbox::start(&inner.cfg) {
                 Ok(s) => {
                     let mut st = inner.state.lock().expect("pool lock");

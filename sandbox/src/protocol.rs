@@ -232,6 +232,9 @@ pub enum Request {
         /// Permission bits.
         mode: u32,
     },
+    /// Make the sandbox as new for the next user: kill every process, fresh empty
+    /// `/work` and `/tmp`, no System V IPC objects.
+    Reset,
     /// Read a file under `/work`.
     ReadFile {
         /// Path relative to `/work`, or absolute under it.

@@ -280,18 +280,6 @@ pub fn wait_blocking(pid: libc::pid_t) -> io::Result<libc::c_int> {
     }
 }
 
-/// Reaps every exited child without blocking (init's duty as pid 1).
-pub fn reap_all() {
-    loop {
-        let mut status = 0;
-        // SAFETY: out-pointer to a live local.
-        let r = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
-        if r <= 0 {
-            return;
-        }
-    }
-}
-
 /// CPU milliseconds of all reaped children of this process.
 pub fn children_cpu_ms() -> u64 {
     // SAFETY: out-pointer to a live zeroed struct.
@@ -365,5 +353,56 @@ pub fn pidfd_open(pid: libc::pid_t) -> io::Result<std::os::fd::OwnedFd> {
         Err(io::Error::last_os_error())
     } else {
         Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(r as RawFd) })
+    }
+}
+
+/// Removes every System V shared-memory segment, semaphore set and message queue of the
+/// calling process's IPC namespace (as listed in `/proc/sysvipc`).
+pub fn ipc_remove_all() {
+    for (file, kind) in [("shm", 0), ("sem", 1), ("msg", 2)] {
+        let Ok(text) = std::fs::read_to_string(format!("/proc/sysvipc/{file}")) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            // Columns: key, id, ...
+            let Some(id) = line
+                .split_whitespace()
+                .nth(1)
+                .and_then(|s| s.parse::<libc::c_int>().ok())
+            else {
+                continue;
+            };
+            // SAFETY: IPC_RMID takes no buffer (null is allowed).
+            unsafe {
+                match kind {
+                    0 => libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()),
+                    1 => libc::semctl(id, 0, libc::IPC_RMID),
+                    _ => libc::msgctl(id, libc::IPC_RMID, std::ptr::null_mut()),
+                };
+            }
+        }
+    }
+}
+
+/// Kills every other process of the pid namespace (the caller is its pid 1) and reaps
+/// them all, waiting up to `limit` for the last to die. False if some survived.
+pub fn kill_and_reap_all(limit: std::time::Duration) -> bool {
+    let end = std::time::Instant::now() + limit;
+    // SAFETY: kill and waitpid with integer arguments and a live out-pointer.
+    unsafe { libc::kill(-1, libc::SIGKILL) };
+    loop {
+        let mut status = 0;
+        let r = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+        if r > 0 {
+            continue;
+        }
+        if r == -1 {
+            return true; // ECHILD: nothing left
+        }
+        if std::time::Instant::now() >= end {
+            return false;
+        }
+        unsafe { libc::kill(-1, libc::SIGKILL) };
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }

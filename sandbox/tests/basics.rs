@@ -70,3 +70,44 @@ fn a_session_keeps_files_between_commands_and_confines_file_paths() {
         "a download does not follow a symlink"
     );
 }
+
+#[test]
+fn a_reused_sandbox_keeps_nothing_of_the_previous_command() {
+    let cfg = SandboxConfig {
+        init: Some(env!("CARGO_BIN_EXE_streamrl-sandbox-init").into()),
+        pool_size: 1,
+        reuse: 100,
+        ..SandboxConfig::default()
+    };
+    let pool = Pool::new(cfg).unwrap();
+    let leave = r#"
+import ctypes, os, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.shmget(4242, 4096, 0o1666) >= 0, ctypes.get_errno()
+open("/work/left.txt", "w").write("secret")
+open("/tmp/left.txt", "w").write("secret")
+subprocess.Popen(["sleep", "1000"])
+print(os.getpid())
+"#;
+    let r = pool.exec(&ExecRequest::python(leave));
+    assert_eq!(r.status, ExecStatus::Ok, "{r:?}");
+    // The same sandbox serves the next command (a pool of one, reused).
+    let mut seen = None;
+    for _ in 0..100 {
+        if pool.stats().reused >= 1 {
+            seen = Some(());
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(seen.is_some(), "the sandbox was not reused: {:?}", pool.stats());
+    let look = r#"
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.shmget(4242, 0, 0), os.path.exists("/work/left.txt"), os.path.exists("/tmp/left.txt"),
+      sorted(open(f"/proc/{p}/cmdline").read() for p in os.listdir("/proc") if p.isdigit() and p != str(os.getpid()) and p != "1"))
+"#;
+    let r = pool.exec(&ExecRequest::python(look));
+    assert_eq!(r.stdout, "-1 False False []\n", "{r:?}");
+    assert_eq!(pool.stats().cold_starts, 0, "{:?}", pool.stats());
+}

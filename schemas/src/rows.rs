@@ -165,6 +165,53 @@ macro_rules! trajectory_row {
     };
 }
 
+/// Builds one trajectory row type (`RolloutRow`, `ContinuationRow`, `ExecutedRow`,
+/// `ScoredRow`) from another: the fields every trajectory row shares are moved from
+/// `$src`, the rest are given. The one place that lists the shared fields for conversions.
+///
+/// ```
+/// use streamrl_schemas::{ExecutedRow, RolloutRow, trajectory_into};
+/// # fn f(r: RolloutRow) -> ExecutedRow {
+/// trajectory_into!(r, ExecutedRow {
+///     tool_outputs: vec![], exec_status: "skipped".into(), exit_code: None, stdout: String::new(),
+///     stderr: String::new(), exec_duration_ms: 0, tests_passed: 0, tests_total: 0, created_at: 0,
+/// })
+/// # }
+/// ```
+#[macro_export]
+macro_rules! trajectory_into {
+    ($src:expr, $dst:ident { $($field:ident $(: $value:expr)?),* $(,)? }) => {{
+        let s = $src;
+        $dst {
+            run_id: s.run_id,
+            problem_id: s.problem_id,
+            group_id: s.group_id,
+            rollout_id: s.rollout_id,
+            sample_id: s.sample_id,
+            env: s.env,
+            step: s.step,
+            sample_index: s.sample_index,
+            group_size: s.group_size,
+            turn: s.turn,
+            prompt: s.prompt,
+            prompt_token_ids: s.prompt_token_ids,
+            completion: s.completion,
+            completion_token_ids: s.completion_token_ids,
+            completion_logprobs: s.completion_logprobs,
+            completion_versions: s.completion_versions,
+            loss_mask: s.loss_mask,
+            finish_reason: s.finish_reason,
+            tool_calls: s.tool_calls,
+            answer: s.answer,
+            info: s.info,
+            temperature: s.temperature,
+            started_at: s.started_at,
+            finished_at: s.finished_at,
+            $($field $(: $value)?,)*
+        }
+    }};
+}
+
 trajectory_row!(
     /// `rollouts`: one generated sample (one turn of a trajectory).
     RolloutRow, SchemaId::Rollouts, {}

@@ -32,6 +32,22 @@ use streamrl_envs::{Environment, Mix};
 use streamrl_runtime::StageError;
 use streamrl_schemas::{MetricRow, SchemaId, TopicRow};
 
+/// The tool call a turn's text ends in, as the schema's `ToolCall` (id `ROLLOUT-callTURN`,
+/// arguments `{"code": ...}`).
+pub fn tool_call(
+    t: &streamrl_envs::ToolProtocol,
+    rollout_id: &str,
+    turn: u32,
+    turn_text: &str,
+) -> Option<streamrl_schemas::ToolCall> {
+    let code = t.parse_call(turn_text)?;
+    Some(streamrl_schemas::ToolCall {
+        id: format!("{rollout_id}-call{turn}"),
+        name: t.name.clone(),
+        arguments: serde_json::json!({ "code": code }).to_string(),
+    })
+}
+
 /// What every stage is built from besides its own config.
 #[derive(Debug, Clone)]
 pub struct Ctx {

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use streamrl_envs::rubric::ScoreInput;
-use streamrl_envs::{Mix, Problem};
+use streamrl_envs::{ExecInfo, Mix, Problem};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
-use streamrl_schemas::{ExecutedRow, RewardComponent, SchemaId, ScoredRow, TopicRow};
+use streamrl_schemas::{ExecutedRow, RewardComponent, SchemaId, ScoredRow, TopicRow, trajectory_into};
 
 use crate::{Ctx, now_ms, rows};
 
@@ -36,7 +36,7 @@ impl RewardStage {
 }
 
 /// Scores one executed row with its environment's rubric.
-pub fn score(envs: &Mix, r: ExecutedRow) -> Result<ScoredRow, String> {
+pub fn score(envs: &Mix, mut r: ExecutedRow) -> Result<ScoredRow, String> {
     let env = envs.get(&r.env).ok_or_else(|| {
         format!(
             "sample {} names environment `{}`, which is not configured",
@@ -55,57 +55,53 @@ pub fn score(envs: &Mix, r: ExecutedRow) -> Result<ScoredRow, String> {
         info,
     };
     let parsed = env.parse_answer(&r.completion);
+    let exec = (r.exec_status != "skipped").then(|| ExecInfo {
+        status: r.exec_status.clone(),
+        tests_passed: r.tests_passed,
+        tests_total: r.tests_total,
+        stdout: r.stdout.clone(),
+        stderr: r.stderr.clone(),
+    });
     let s = env.rubric().score(&ScoreInput {
         problem: &problem,
         completion: &r.completion,
         parsed: parsed.as_deref(),
+        exec: exec.as_ref(),
     });
-    Ok(ScoredRow {
-        reward: s.reward,
-        reward_components: s
-            .components
-            .into_iter()
-            .map(|c| RewardComponent {
-                name: c.name,
-                value: c.value,
-                weight: c.weight,
-                reason: c.reason,
-            })
-            .collect(),
-        run_id: r.run_id,
-        problem_id: r.problem_id,
-        group_id: r.group_id,
-        rollout_id: r.rollout_id,
-        sample_id: r.sample_id,
-        env: r.env,
-        step: r.step,
-        sample_index: r.sample_index,
-        group_size: r.group_size,
-        turn: r.turn,
-        prompt: r.prompt,
-        prompt_token_ids: r.prompt_token_ids,
-        completion: r.completion,
-        completion_token_ids: r.completion_token_ids,
-        completion_logprobs: r.completion_logprobs,
-        completion_versions: r.completion_versions,
-        loss_mask: r.loss_mask,
-        finish_reason: r.finish_reason,
-        tool_calls: r.tool_calls,
-        answer: r.answer,
-        info: r.info,
-        temperature: r.temperature,
-        started_at: r.started_at,
-        finished_at: r.finished_at,
-        tool_outputs: r.tool_outputs,
-        exec_status: r.exec_status,
-        exit_code: r.exit_code,
-        stdout: r.stdout,
-        stderr: r.stderr,
-        exec_duration_ms: r.exec_duration_ms,
-        tests_passed: r.tests_passed,
-        tests_total: r.tests_total,
-        created_at: now_ms(),
-    })
+    let reward_components = s
+        .components
+        .into_iter()
+        .map(|c| RewardComponent {
+            name: c.name,
+            value: c.value,
+            weight: c.weight,
+            reason: c.reason,
+        })
+        .collect();
+    let tool_outputs = std::mem::take(&mut r.tool_outputs);
+    let (exec_status, stdout, stderr) = (
+        std::mem::take(&mut r.exec_status),
+        std::mem::take(&mut r.stdout),
+        std::mem::take(&mut r.stderr),
+    );
+    let (exit_code, exec_duration_ms, tests_passed, tests_total) =
+        (r.exit_code, r.exec_duration_ms, r.tests_passed, r.tests_total);
+    Ok(trajectory_into!(
+        r,
+        ScoredRow {
+            reward: s.reward,
+            reward_components,
+            tool_outputs,
+            exec_status,
+            exit_code,
+            stdout,
+            stderr,
+            exec_duration_ms,
+            tests_passed,
+            tests_total,
+            created_at: now_ms(),
+        }
+    ))
 }
 
 #[async_trait]

@@ -20,7 +20,9 @@ use serde::{Deserialize, Serialize};
 use streamrl_model::checkpoint;
 use streamrl_model::engine::{Engine, EngineConfig, Event, Output, SamplingParams};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
-use streamrl_schemas::{PolicyRow, PromptRow, RolloutRow, SchemaId, TopicRow};
+use streamrl_schemas::{
+    ContinuationRow, PolicyRow, PromptRow, RolloutRow, SchemaId, ToolCall, TopicRow, trajectory_into,
+};
 
 use crate::{Ctx, compute, now_ms, rows, uri_path};
 
@@ -47,6 +49,8 @@ pub struct RolloutConfig {
     pub slice_ms: u64,
     /// Generate until `max_tokens` even past end-of-sequence (benchmarks).
     pub ignore_eos: bool,
+    /// Most new tokens of a turn after a tool call (continuations).
+    pub turn_max_tokens: u32,
 }
 
 impl Default for RolloutConfig {
@@ -61,6 +65,7 @@ impl Default for RolloutConfig {
             stop: Vec::new(),
             slice_ms: 50,
             ignore_eos: false,
+            turn_max_tokens: 256,
         }
     }
 }
@@ -89,6 +94,9 @@ impl RolloutConfig {
         if self.slice_ms == 0 {
             p.push("slice_ms must be at least 1".into());
         }
+        if self.turn_max_tokens == 0 {
+            p.push("turn_max_tokens must be at least 1".into());
+        }
         p
     }
 }
@@ -98,6 +106,18 @@ struct Group {
     remaining: u32,
 }
 
+/// What an engine request belongs to.
+enum Pending {
+    /// Sample `index` of a group's first turn.
+    Sample { group: String, index: u32 },
+    /// The next turn of a trajectory, after its tool outputs.
+    Turn {
+        prev: Box<ContinuationRow>,
+        tool_text: String,
+        tool_tokens: Vec<u32>,
+    },
+}
+
 /// The rollout stage.
 pub struct RolloutStage {
     cfg: RolloutConfig,
@@ -105,7 +125,9 @@ pub struct RolloutStage {
     engine: Engine,
     out_topic: String,
     groups: HashMap<String, Group>,
-    requests: HashMap<u64, (String, u32)>,
+    requests: HashMap<u64, Pending>,
+    /// Continuations being generated, by rollout id.
+    turns: std::collections::HashSet<String>,
     load_failures: u64,
 }
 
@@ -159,6 +181,7 @@ impl RolloutStage {
             out_topic: out.expect("checked"),
             groups: HashMap::new(),
             requests: HashMap::new(),
+            turns: Default::default(),
             load_failures: 0,
         })
     }
@@ -166,6 +189,74 @@ impl RolloutStage {
     /// The version now serving.
     pub fn version(&self) -> u32 {
         self.engine.version()
+    }
+
+    /// The tool-call stop marker of an environment, if it offers tools.
+    fn tool_stop(&self, env: &str) -> Vec<String> {
+        self.ctx
+            .envs
+            .as_ref()
+            .and_then(|m| m.get(env))
+            .and_then(|e| e.tools())
+            .map(|t| vec![t.call_end.clone()])
+            .unwrap_or_default()
+    }
+
+    /// The tool call a finished turn ends in, as the schema's ToolCall.
+    fn tool_call(&self, env: &str, rollout_id: &str, turn: u32, text: &str) -> Vec<ToolCall> {
+        let Some(t) = self.ctx.envs.as_ref().and_then(|m| m.get(env)).and_then(|e| e.tools()) else {
+            return vec![];
+        };
+        crate::tool_call(t, rollout_id, turn, t.last_turn(text))
+            .into_iter()
+            .collect()
+    }
+
+    /// Starts the next turn of a trajectory: its prompt and completion so far, then the
+    /// rendered tool outputs (masked out of the loss), then new tokens.
+    fn add_turn(&mut self, c: ContinuationRow) -> Result<(), StageError> {
+        if self.turns.contains(&c.rollout_id) {
+            return Ok(()); // redelivered while still generating
+        }
+        let tok = self.engine.tokenizer().expect("built with a tokenizer").clone();
+        let tool_text: String = c.tool_outputs.iter().map(|o| o.output.as_str()).collect();
+        let tool_tokens = tok.encode(&tool_text).map_err(|e| StageError::user(e.to_string()))?;
+        let prompt = if c.prompt_token_ids.is_empty() {
+            tok.encode(&c.prompt).map_err(|e| StageError::user(e.to_string()))?
+        } else {
+            c.prompt_token_ids.clone()
+        };
+        let tokens: Vec<u32> = prompt
+            .iter()
+            .chain(&c.completion_token_ids)
+            .chain(&tool_tokens)
+            .copied()
+            .collect();
+        let params = SamplingParams {
+            temperature: c.temperature,
+            top_p: self.cfg.top_p,
+            top_k: self.cfg.top_k,
+            seed: seed_of(&c.rollout_id, c.turn + 1),
+            max_tokens: self.cfg.turn_max_tokens as usize,
+            stop: self.cfg.stop.clone(),
+            tool_call_stop: self.tool_stop(&c.env),
+            ignore_eos: self.cfg.ignore_eos,
+            ..Default::default()
+        };
+        let id = self
+            .engine
+            .add(tokens, params)
+            .map_err(|e| StageError::user(format!("trajectory {} turn {}: {e}", c.rollout_id, c.turn + 1)))?;
+        self.turns.insert(c.rollout_id.clone());
+        self.requests.insert(
+            id,
+            Pending::Turn {
+                prev: Box::new(c),
+                tool_text,
+                tool_tokens,
+            },
+        );
+        Ok(())
     }
 
     fn add_group(&mut self, p: PromptRow) -> Result<(), StageError> {
@@ -188,6 +279,7 @@ impl RolloutStage {
                 seed: seed_of(&p.group_id, i),
                 max_tokens: p.max_tokens as usize,
                 stop: self.cfg.stop.clone(),
+                tool_call_stop: self.tool_stop(&p.env),
                 ignore_eos: self.cfg.ignore_eos,
                 ..Default::default()
             };
@@ -201,8 +293,13 @@ impl RolloutStage {
                     return Err(StageError::user(format!("group {}: {e}", p.group_id)));
                 }
             }
-            self.requests
-                .insert(*ids.last().expect("pushed"), (p.group_id.clone(), i));
+            self.requests.insert(
+                *ids.last().expect("pushed"),
+                Pending::Sample {
+                    group: p.group_id.clone(),
+                    index: i,
+                },
+            );
         }
         self.groups.insert(
             p.group_id.clone(),
@@ -232,8 +329,8 @@ impl RolloutStage {
     }
 
     fn finish(&mut self, o: &Output) {
-        if let Some((g, _)) = self.requests.get(&o.id)
-            && let Some(group) = self.groups.get_mut(g)
+        if let Some(Pending::Sample { group, .. }) = self.requests.get(&o.id)
+            && let Some(group) = self.groups.get_mut(group)
         {
             group.remaining -= 1;
         }
@@ -246,43 +343,92 @@ impl RolloutStage {
         let tok = self.engine.tokenizer().expect("built with a tokenizer").clone();
         let mut rows_out = Vec::with_capacity(done.len());
         for o in done {
-            let Some((gid, index)) = self.requests.remove(&o.id) else {
+            let Some(pending) = self.requests.remove(&o.id) else {
                 continue;
             };
-            let Some(group) = self.groups.get(&gid) else { continue };
-            let p = &group.prompt;
-            let rollout_id = format!("{gid}-{index}");
-            rows_out.push(RolloutRow {
-                run_id: p.run_id.clone(),
-                problem_id: p.problem_id.clone(),
-                group_id: gid.clone(),
-                sample_id: format!("{rollout_id}-t0"),
-                rollout_id,
-                env: p.env.clone(),
-                step: p.step,
-                sample_index: index,
-                group_size: p.group_size,
-                turn: 0,
-                prompt: p.prompt.clone(),
-                prompt_token_ids: p.prompt_token_ids.clone(),
-                completion: if o.text.is_empty() {
-                    tok.decode(&o.tokens).unwrap_or_default()
-                } else {
-                    o.text.clone()
-                },
-                loss_mask: vec![true; o.tokens.len()],
-                completion_token_ids: o.tokens,
-                completion_logprobs: o.logprobs,
-                completion_versions: o.versions,
-                finish_reason: o.finish_reason.as_str().to_string(),
-                tool_calls: vec![],
-                answer: p.answer.clone(),
-                info: p.info.clone(),
-                temperature: p.temperature,
-                started_at: o.started_at,
-                finished_at: o.finished_at,
-                created_at: now_ms(),
-            });
+            let new_text = if o.text.is_empty() {
+                tok.decode(&o.tokens).unwrap_or_default()
+            } else {
+                o.text.clone()
+            };
+            match pending {
+                Pending::Sample { group: gid, index } => {
+                    let Some(group) = self.groups.get(&gid) else { continue };
+                    let p = &group.prompt;
+                    let rollout_id = format!("{gid}-{index}");
+                    let tool_calls = if o.finish_reason.as_str() == "tool_call" {
+                        self.tool_call(&p.env, &rollout_id, 0, &new_text)
+                    } else {
+                        vec![]
+                    };
+                    rows_out.push(RolloutRow {
+                        run_id: p.run_id.clone(),
+                        problem_id: p.problem_id.clone(),
+                        group_id: gid.clone(),
+                        sample_id: format!("{rollout_id}-t0"),
+                        rollout_id,
+                        env: p.env.clone(),
+                        step: p.step,
+                        sample_index: index,
+                        group_size: p.group_size,
+                        turn: 0,
+                        prompt: p.prompt.clone(),
+                        prompt_token_ids: p.prompt_token_ids.clone(),
+                        completion: new_text,
+                        loss_mask: vec![true; o.tokens.len()],
+                        completion_token_ids: o.tokens,
+                        completion_logprobs: o.logprobs,
+                        completion_versions: o.versions,
+                        finish_reason: o.finish_reason.as_str().to_string(),
+                        tool_calls,
+                        answer: p.answer.clone(),
+                        info: p.info.clone(),
+                        temperature: p.temperature,
+                        started_at: o.started_at,
+                        finished_at: o.finished_at,
+                        created_at: now_ms(),
+                    });
+                }
+                Pending::Turn {
+                    prev,
+                    tool_text,
+                    tool_tokens,
+                } => {
+                    let mut c = *prev;
+                    self.turns.remove(&c.rollout_id);
+                    out.release(c.rollout_id.clone());
+                    let turn = c.turn + 1;
+                    let n_tool = tool_tokens.len();
+                    // Tool tokens are the environment's, not the policy's: masked out of the
+                    // loss, logprob 0, and the version of the turn before them.
+                    let tool_version = c
+                        .completion_versions
+                        .last()
+                        .copied()
+                        .or(o.versions.first().copied())
+                        .unwrap_or(0);
+                    c.completion.push_str(&tool_text);
+                    c.completion.push_str(&new_text);
+                    c.completion_token_ids
+                        .extend(tool_tokens.into_iter().chain(o.tokens.iter().copied()));
+                    c.completion_logprobs
+                        .extend(std::iter::repeat_n(0.0, n_tool).chain(o.logprobs.iter().copied()));
+                    c.completion_versions
+                        .extend(std::iter::repeat_n(tool_version, n_tool).chain(o.versions.iter().copied()));
+                    c.loss_mask
+                        .extend(std::iter::repeat_n(false, n_tool).chain(std::iter::repeat_n(true, o.tokens.len())));
+                    c.tool_calls = if o.finish_reason.as_str() == "tool_call" {
+                        self.tool_call(&c.env, &c.rollout_id, turn, &new_text)
+                    } else {
+                        vec![]
+                    };
+                    c.finish_reason = o.finish_reason.as_str().to_string();
+                    c.sample_id = format!("{}-t{turn}", c.rollout_id);
+                    c.turn = turn;
+                    c.finished_at = o.finished_at;
+                    rows_out.push(trajectory_into!(c, RolloutRow { created_at: now_ms() }));
+                }
+            }
         }
         let finished: Vec<String> = self
             .groups
@@ -355,9 +501,16 @@ impl Stage for RolloutStage {
                 let max = self.cfg.max_inflight_groups;
                 self.drive(out, |s| s.groups.len() < max)
             }
-            SchemaId::Continuations => Err(StageError::user(
-                "continuations (multi-turn tool use) need a tool environment with a sandbox, which this build does not have yet",
-            )),
+            SchemaId::Continuations => {
+                let conts = rows::<ContinuationRow>(&input.batch)?;
+                let Some(first) = conts.first() else { return Ok(()) };
+                // Keyed by rollout id: one message is one trajectory's next turn.
+                out.hold_as(first.rollout_id.clone());
+                for c in conts {
+                    self.add_turn(c)?;
+                }
+                Ok(())
+            }
             other => Err(StageError::user(format!("rollout does not consume `{other}` rows"))),
         }
     }

@@ -1,93 +1,331 @@
-//! The sandbox stage: executes what a rollout's environment needs before it can be scored.
+//! The sandbox stage: executes what a rollout's environment needs before it can be
+//! scored, in the sandboxes of `streamrl-sandbox` (namespaces, seccomp, rlimits, a warm
+//! pool).
 //!
-//! This build has environments that need no execution (arith, countdown, math): their
-//! rollouts pass through to `executed` with `exec_status = skipped`. A rollout that ended
-//! in a tool call (`finish_reason = tool_call`) cannot be served without a sandbox
-//! backend; it is passed on with `exec_status = internal_error` and the reason in
-//! `stderr`, so the mask stage drops it from training instead of the pipeline stalling.
+//! For each rollout, by its environment:
+//! * nothing to run (arith, countdown, math): passed to `executed` with
+//!   `exec_status = skipped`;
+//! * a program to run (code: the unit-test harness around the model's function): run, and
+//!   passed to `executed` with the status, exit code, output, duration and test counts;
+//! * a turn that ended in a tool call (`finish_reason = tool_call`, tool environments):
+//!   the call runs and a `continuations` row carries its output to the rollout stage for
+//!   the next turn; the last allowed turn (`max_turns`) is passed to `executed` instead,
+//!   so the trajectory is scored without an answer.
+//!
+//! Executions of one input run concurrently (at most `max_concurrency`); the pool is
+//! only started when a configured environment needs a sandbox, so the arith demo runs
+//! where namespaces are not available. Replicas share the work through the bus.
+
+use std::sync::Arc;
+use std::time::Instant;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
+use streamrl_envs::{Environment, Execution, Mix, Problem};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
-use streamrl_schemas::{ExecutedRow, RolloutRow, SchemaId, TopicRow};
+use streamrl_sandbox::{ExecRequest, ExecResult, ExecStatus, Pool};
+use streamrl_schemas::{
+    ContinuationRow, ExecutedRow, RolloutRow, SchemaId, ToolCall, ToolOutput, TopicRow, trajectory_into,
+};
 
 use crate::{Ctx, now_ms, rows};
 
-/// Configuration of the sandbox stage (nothing to configure for pass-through).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SandboxConfig {}
+/// Configuration of the sandbox stage.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SandboxConfig {
+    /// The sandboxes: pool size, limits, read-only binds, cgroups (see
+    /// `streamrl_sandbox::SandboxConfig`).
+    pub pool: streamrl_sandbox::SandboxConfig,
+    /// Executions in flight at once per replica.
+    pub max_concurrency: usize,
+}
+
+impl Default for SandboxConfig {
+    fn default() -> Self {
+        SandboxConfig {
+            pool: streamrl_sandbox::SandboxConfig::default(),
+            max_concurrency: 8,
+        }
+    }
+}
+
+impl SandboxConfig {
+    /// Every invalid value.
+    pub fn problems(&self) -> Vec<String> {
+        let mut p: Vec<String> = self
+            .pool
+            .validate()
+            .err()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|e| format!("pool.{e}"))
+            .collect();
+        if self.max_concurrency == 0 {
+            p.push("max_concurrency must be at least 1".into());
+        }
+        p
+    }
+}
 
 /// The sandbox stage.
 #[derive(Debug)]
 pub struct SandboxStage {
+    cfg: SandboxConfig,
+    envs: Arc<Mix>,
+    pool: Option<Arc<Pool>>,
     executed: String,
+    continuations: Option<String>,
 }
 
 impl SandboxStage {
-    /// Builds the stage.
-    pub fn build(_cfg: SandboxConfig, ctx: Ctx) -> Result<Self, Vec<String>> {
+    /// Builds the stage; starts the sandbox pool when an environment needs it (a host
+    /// that cannot run sandboxes fails here with the reason).
+    pub fn build(cfg: SandboxConfig, ctx: Ctx) -> Result<Self, Vec<String>> {
+        let mut errs = cfg.problems();
+        let envs = ctx.require_envs();
+        let executed = ctx.require_output(SchemaId::Executed);
+        for e in [envs.as_ref().err(), executed.as_ref().err()].into_iter().flatten() {
+            errs.extend(e.clone());
+        }
+        if !errs.is_empty() {
+            return Err(errs);
+        }
+        let envs = envs.expect("checked");
+        let continuations = ctx.output(SchemaId::Continuations);
+        let tools: Vec<&str> = envs
+            .iter()
+            .filter(|(e, _)| e.tools().is_some())
+            .map(|(e, _)| e.name())
+            .collect();
+        if continuations.is_none() && !tools.is_empty() {
+            return Err(vec![format!(
+                "environment(s) {} use tools: the sandbox stage needs a `continuations` output",
+                tools.join(", ")
+            )]);
+        }
+        let pool = if envs.needs_sandbox() {
+            Some(Arc::new(
+                Pool::new(cfg.pool.clone()).map_err(|e| vec![format!("sandbox pool: {e}")])?,
+            ))
+        } else {
+            None
+        };
         Ok(SandboxStage {
-            executed: ctx.require_output(SchemaId::Executed)?,
+            cfg,
+            envs,
+            pool,
+            executed: executed.expect("checked"),
+            continuations,
         })
     }
 }
 
-/// A rollout passed through unexecuted (`skipped`), or refused for lack of a backend.
-pub fn pass_through(r: RolloutRow) -> ExecutedRow {
-    let tool = r.finish_reason == "tool_call";
-    ExecutedRow {
-        tool_outputs: vec![],
-        exec_status: if tool { "internal_error" } else { "skipped" }.into(),
-        exit_code: None,
-        stdout: String::new(),
-        stderr: if tool {
-            "this build has no sandbox backend to execute tool calls".into()
-        } else {
-            String::new()
-        },
-        exec_duration_ms: 0,
-        tests_passed: 0,
-        tests_total: 0,
-        run_id: r.run_id,
-        problem_id: r.problem_id,
-        group_id: r.group_id,
-        rollout_id: r.rollout_id,
-        sample_id: r.sample_id,
-        env: r.env,
-        step: r.step,
-        sample_index: r.sample_index,
-        group_size: r.group_size,
-        turn: r.turn,
-        prompt: r.prompt,
-        prompt_token_ids: r.prompt_token_ids,
-        completion: r.completion,
-        completion_token_ids: r.completion_token_ids,
-        completion_logprobs: r.completion_logprobs,
-        completion_versions: r.completion_versions,
-        loss_mask: r.loss_mask,
-        finish_reason: r.finish_reason,
-        tool_calls: r.tool_calls,
-        answer: r.answer,
-        info: r.info,
-        temperature: r.temperature,
-        started_at: r.started_at,
-        finished_at: r.finished_at,
-        created_at: now_ms(),
+/// What a rollout needs.
+enum Plan {
+    /// Nothing to run (`reason`: why, when it is not the environment's normal case).
+    Skip(Option<String>),
+    /// Refused: cannot be executed (`reason`).
+    Refuse(String),
+    /// Run a program and report into `executed`.
+    Run(Execution),
+    /// Run a tool call and continue the trajectory.
+    Tool(ToolCall, Execution),
+}
+
+fn problem_of(r: &RolloutRow) -> Problem {
+    Problem {
+        id: r.problem_id.clone(),
+        env: r.env.clone(),
+        question: r.prompt.clone(),
+        answer: r.answer.clone(),
+        info: r
+            .info
+            .as_deref()
+            .and_then(|s| serde_json::from_str(s).ok())
+            .unwrap_or_default(),
     }
+}
+
+fn plan(env: &dyn Environment, r: &RolloutRow) -> Plan {
+    if r.finish_reason == "tool_call" {
+        let Some(t) = env.tools() else {
+            return Plan::Refuse(format!(
+                "environment `{}` has no tools, but the turn ended in a tool call",
+                r.env
+            ));
+        };
+        if r.turn + 1 >= t.max_turns {
+            return Plan::Skip(Some(format!(
+                "max_turns ({}) reached with a tool call; no answer was given",
+                t.max_turns
+            )));
+        }
+        let Some(code) = t.parse_call(t.last_turn(&r.completion)) else {
+            return Plan::Skip(Some(
+                "the turn ended at the tool marker but no call could be parsed".into(),
+            ));
+        };
+        let call = crate::tool_call(t, &r.rollout_id, r.turn, t.last_turn(&r.completion)).expect("parsed above");
+        return Plan::Tool(call, t.execution(&code));
+    }
+    match env.execution(&problem_of(r), &r.completion) {
+        Some(ex) => Plan::Run(ex),
+        None => Plan::Skip(None),
+    }
+}
+
+fn run(pool: &Pool, ex: &Execution) -> ExecResult {
+    let mut limits = pool.config().limits;
+    if let Some(ms) = ex.wall_ms {
+        limits.wall_ms = ms.min(limits.wall_ms);
+    }
+    let req = ExecRequest::new(ex.argv.clone()).with_limits(limits);
+    let files: Vec<(&str, &[u8])> = ex.files.iter().map(|(p, c)| (p.as_str(), c.as_bytes())).collect();
+    pool.exec_with_files(&files, &req)
+}
+
+fn executed(
+    r: RolloutRow,
+    status: &str,
+    result: Option<&ExecResult>,
+    tests: (u32, u32),
+    note: Option<String>,
+) -> ExecutedRow {
+    trajectory_into!(
+        r,
+        ExecutedRow {
+            tool_outputs: vec![],
+            exec_status: status.to_string(),
+            exit_code: result.and_then(|x| x.exit_code),
+            stdout: result.map(|x| x.stdout.clone()).unwrap_or_default(),
+            stderr: match (result, note) {
+                (_, Some(n)) => n,
+                (Some(x), None) if x.status != ExecStatus::Ok && !x.reason.is_empty() => format!(
+                    "{}{}{}",
+                    x.stderr,
+                    if x.stderr.is_empty() { "" } else { "\n" },
+                    x.reason
+                ),
+                (Some(x), None) => x.stderr.clone(),
+                (None, None) => String::new(),
+            },
+            exec_duration_ms: result.map(|x| x.wall_ms as u64).unwrap_or(0),
+            tests_passed: tests.0,
+            tests_total: tests.1,
+            created_at: now_ms(),
+        }
+    )
+}
+
+/// A rollout passed through unexecuted (`skipped`), or refused with `internal_error`.
+pub fn pass_through(r: RolloutRow) -> ExecutedRow {
+    let refused = r.finish_reason == "tool_call";
+    let note = refused.then(|| {
+        format!(
+            "environment `{}` has no tools, but the turn ended in a tool call",
+            r.env
+        )
+    });
+    executed(
+        r,
+        if refused { "internal_error" } else { "skipped" },
+        None,
+        (0, 0),
+        note,
+    )
 }
 
 #[async_trait]
 impl Stage for SandboxStage {
     async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
-        let executed: Vec<ExecutedRow> = rows::<RolloutRow>(&input.batch)?
-            .into_iter()
-            .map(pass_through)
-            .collect();
-        out.emit(
-            self.executed.clone(),
-            ExecutedRow::to_batch(&executed).map_err(|e| StageError::internal(e.to_string()))?,
-        );
+        let rollouts = rows::<RolloutRow>(&input.batch)?;
+        let mut plans = Vec::with_capacity(rollouts.len());
+        for r in &rollouts {
+            let env = self.envs.get(&r.env).ok_or_else(|| {
+                StageError::user(format!(
+                    "sample {} names environment `{}`, which is not configured",
+                    r.sample_id, r.env
+                ))
+            })?;
+            plans.push(plan(env, r));
+        }
+        // Execute what needs executing, at most max_concurrency at once.
+        let mut results: Vec<Option<ExecResult>> = vec![None; plans.len()];
+        let sem = Arc::new(tokio::sync::Semaphore::new(self.cfg.max_concurrency));
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, p) in plans.iter().enumerate() {
+            let ex = match p {
+                Plan::Run(ex) | Plan::Tool(_, ex) => ex.clone(),
+                _ => continue,
+            };
+            let Some(pool) = self.pool.clone() else {
+                results[i] = Some(ExecResult::internal_error(
+                    "no sandbox pool: no configured environment needs one",
+                ));
+                continue;
+            };
+            let permit = sem
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|e| StageError::internal(e.to_string()))?;
+            tasks.spawn_blocking(move || {
+                let started = Instant::now();
+                let r = run(&pool, &ex);
+                drop(permit);
+                (i, r, started.elapsed())
+            });
+        }
+        while let Some(done) = tasks.join_next().await {
+            let (i, r, _) = done.map_err(|e| StageError::internal(format!("sandbox task: {e}")))?;
+            results[i] = Some(r);
+        }
+        let (mut exec_rows, mut cont_rows) = (Vec::new(), Vec::new());
+        for ((r, p), res) in rollouts.into_iter().zip(plans).zip(results) {
+            match p {
+                Plan::Skip(note) => exec_rows.push(executed(r, "skipped", None, (0, 0), note)),
+                Plan::Refuse(why) => exec_rows.push(executed(r, "internal_error", None, (0, 0), Some(why))),
+                Plan::Run(ex) => {
+                    let res = res.expect("ran");
+                    let tests = ex.report(&res.stdout).unwrap_or((0, 0));
+                    exec_rows.push(executed(r, res.status.as_str(), Some(&res), tests, None));
+                }
+                Plan::Tool(call, _) => {
+                    let res = res.expect("ran");
+                    let env = self.envs.get(&r.env).expect("planned with it");
+                    let t = env.tools().expect("a tool plan");
+                    let output = ToolOutput {
+                        call_id: call.id.clone(),
+                        name: call.name.clone(),
+                        output: t.render(&res.stdout, &res.stderr, res.status.as_str()),
+                        status: res.status.as_str().to_string(),
+                    };
+                    let mut r = r;
+                    r.tool_calls = vec![call];
+                    cont_rows.push(trajectory_into!(
+                        r,
+                        ContinuationRow {
+                            tool_outputs: vec![output],
+                            created_at: now_ms(),
+                        }
+                    ));
+                }
+            }
+        }
+        if !exec_rows.is_empty() {
+            out.emit(
+                self.executed.clone(),
+                ExecutedRow::to_batch(&exec_rows).map_err(|e| StageError::internal(e.to_string()))?,
+            );
+        }
+        if !cont_rows.is_empty() {
+            let topic = self.continuations.clone().expect("checked at build");
+            out.emit(
+                topic,
+                ContinuationRow::to_batch(&cont_rows).map_err(|e| StageError::internal(e.to_string()))?,
+            );
+        }
         Ok(())
     }
 }

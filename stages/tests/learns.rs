@@ -89,6 +89,7 @@ fn rl_on_a_few_problems_raises_their_reward() {
                             problem: p,
                             completion: &o.text,
                             parsed: parsed.as_deref(),
+                            exec: None,
                         })
                         .reward
                 })

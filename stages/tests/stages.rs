@@ -503,3 +503,225 @@ async fn trainer_trains_each_version_on_the_groups_admitted_for_that_step() {
     assert_eq!(t.version(), 2);
     assert_eq!(out.released(), ["c".to_string(), "late".to_string()]);
 }
+
+fn ctx_with_envs(stage: &str, run_dir: &Path, outputs: &[(&str, SchemaId)], envs: &str) -> Ctx {
+    Ctx {
+        envs: build_envs(&serde_yaml::from_str(envs).unwrap()).unwrap().map(Arc::new),
+        ..ctx(stage, run_dir, outputs)
+    }
+}
+
+const SANDBOX_ENVS: &str = "code: {config: {wall_ms: 1500, test_timeout_secs: 1}}\ntool: {}\narith: {}";
+
+fn env_row(env: &str, problem: &streamrl_envs::Problem, completion: &str, id: u32) -> RolloutRow {
+    RolloutRow {
+        env: env.into(),
+        problem_id: problem.id.clone(),
+        answer: problem.answer.clone(),
+        info: Some(problem.info.to_string()),
+        completion: completion.into(),
+        ..rollout_row("g", id, 8)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_runs_unit_tests_and_tool_calls_and_reward_reads_the_results() {
+    use streamrl_schemas::{ContinuationRow, ExecutedRow};
+    use streamrl_stages::sandbox::{SandboxConfig, SandboxStage};
+    let dir = tempfile::tempdir().unwrap();
+    let outputs = [
+        ("executed", SchemaId::Executed),
+        ("continuations", SchemaId::Continuations),
+    ];
+    let cfg = SandboxConfig {
+        pool: streamrl_sandbox::SandboxConfig {
+            pool_size: 2,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut stage = SandboxStage::build(cfg, ctx_with_envs("sandbox", dir.path(), &outputs, SANDBOX_ENVS)).unwrap();
+    let envs = build_envs(&serde_yaml::from_str(SANDBOX_ENVS).unwrap())
+        .unwrap()
+        .unwrap();
+    let code = envs.get("code").unwrap();
+    let add = code.sample(streamrl_envs::Split::Train, 0);
+    assert!(add.question.contains("def add(a, b):"), "{}", add.question);
+    let tool = envs.get("tool").unwrap().sample(streamrl_envs::Split::Train, 0);
+    let mut call = env_row("tool", &tool, "I will compute. <python>\nprint(6 * 7)\n</python>", 4);
+    call.finish_reason = "tool_call".into();
+    let mut last_turn = env_row("tool", &tool, "<python>print(1)</python>", 5);
+    last_turn.finish_reason = "tool_call".into();
+    last_turn.turn = 2;
+    let rows = vec![
+        env_row("code", &add, &code.reference_completion(&add).unwrap(), 0),
+        env_row("code", &add, "```python\ndef add(a, b):\n    return 3\n```", 1),
+        env_row(
+            "code",
+            &add,
+            "```python\nimport signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\nwhile True: pass\n```",
+            2,
+        ),
+        rollout_row("g", 3, 8),
+        call,
+        last_turn,
+    ];
+    let mut out = Emitter::default();
+    stage.process(input("rollouts", &rows), &mut out).await.unwrap();
+    let drained = out.drain();
+    let executed: Vec<ExecutedRow> = drained
+        .iter()
+        .filter(|(t, _)| t == "executed")
+        .flat_map(|(_, b)| ExecutedRow::from_batch(b).unwrap())
+        .collect();
+    let conts: Vec<ContinuationRow> = drained
+        .iter()
+        .filter(|(t, _)| t == "continuations")
+        .flat_map(|(_, b)| ContinuationRow::from_batch(b).unwrap())
+        .collect();
+    let by = |i: u32| executed.iter().find(|r| r.sample_index == i).unwrap();
+    assert_eq!(
+        (by(0).exec_status.as_str(), by(0).tests_passed, by(0).tests_total),
+        ("ok", 3, 3),
+        "{:?}",
+        by(0)
+    );
+    assert_eq!(
+        (by(1).exec_status.as_str(), by(1).tests_passed, by(1).tests_total),
+        ("ok", 1, 3),
+        "{:?}",
+        by(1)
+    );
+    assert_eq!(by(2).exec_status, "timeout", "{:?}", by(2));
+    assert!(
+        by(2).stderr.contains("wall-clock limit of 1500 ms"),
+        "{:?}",
+        by(2).stderr
+    );
+    assert_eq!(by(3).exec_status, "skipped");
+    assert_eq!(by(5).exec_status, "skipped");
+    assert!(by(5).stderr.contains("max_turns (3) reached"), "{}", by(5).stderr);
+    assert_eq!(executed.len(), 5);
+    assert_eq!(conts.len(), 1);
+    assert_eq!(conts[0].tool_outputs[0].output, "\n<output>\n42\n</output>\n");
+    assert_eq!(conts[0].tool_outputs[0].status, "ok");
+    assert_eq!(conts[0].tool_calls[0].arguments, r#"{"code":"print(6 * 7)"}"#);
+
+    // The reward stage reads the sandbox's results through the rubric.
+    let scored: Vec<ScoredRow> = executed
+        .into_iter()
+        .map(|e| streamrl_stages::reward::score(&envs, e).unwrap())
+        .collect();
+    let reward = |i: u32| scored.iter().find(|r| r.sample_index == i).unwrap();
+    assert_eq!(reward(0).reward, 1.0);
+    assert!((reward(1).reward - 1.0 / 3.0).abs() < 1e-6);
+    assert_eq!(reward(1).reward_components[0].reason, "1/3 tests passed");
+    assert_eq!(reward(2).reward, 0.0);
+    assert!(
+        reward(2).reward_components[0].reason.contains("sandbox timeout"),
+        "{:?}",
+        reward(2).reward_components
+    );
+    assert_eq!(reward(5).reward, 0.0);
+}
+
+#[tokio::test]
+async fn rollout_continues_a_trajectory_after_its_tool_output_with_the_tool_tokens_masked() {
+    use streamrl_schemas::{ContinuationRow, ToolOutput};
+    let dir = tempfile::tempdir().unwrap();
+    let v0 = dir.path().join("v0");
+    tiny(&v0, 0);
+    let cfg = RolloutConfig {
+        checkpoint: v0,
+        turn_max_tokens: 5,
+        ..Default::default()
+    };
+    let mut stage = RolloutStage::build(
+        cfg,
+        ctx_with_envs("rollout", dir.path(), &[("rollouts", SchemaId::Rollouts)], "tool: {}"),
+    )
+    .unwrap();
+    let tok = Tokenizer::char_level();
+    let first = "<python>print(1)</python>";
+    let tool_text = "\n<output>\n1\n</output>\n";
+    let n_first = tok.encode(first).unwrap().len();
+    let n_tool = tok.encode(tool_text).unwrap().len();
+    let base = rollout_row("g", 2, 4);
+    let c = ContinuationRow {
+        env: "tool".into(),
+        completion: first.into(),
+        completion_token_ids: tok.encode(first).unwrap(),
+        completion_logprobs: vec![-0.5; n_first],
+        completion_versions: vec![0; n_first],
+        loss_mask: vec![true; n_first],
+        finish_reason: "tool_call".into(),
+        tool_outputs: vec![ToolOutput {
+            call_id: "g-2-call0".into(),
+            name: "python".into(),
+            output: tool_text.into(),
+            status: "ok".into(),
+        }],
+        run_id: base.run_id,
+        problem_id: base.problem_id,
+        group_id: base.group_id,
+        rollout_id: base.rollout_id,
+        sample_id: base.sample_id,
+        step: base.step,
+        sample_index: base.sample_index,
+        group_size: base.group_size,
+        turn: 0,
+        prompt: base.prompt,
+        prompt_token_ids: base.prompt_token_ids.clone(),
+        tool_calls: vec![],
+        answer: base.answer,
+        info: None,
+        temperature: 1.0,
+        started_at: 0,
+        finished_at: 0,
+        created_at: 0,
+    };
+    let mut out = Emitter::default();
+    stage.process(input("continuations", &[c]), &mut out).await.unwrap();
+    assert_eq!(out.holding(), Some(Some("g-2")));
+    for _ in 0..100 {
+        stage.tick(&mut out).await.unwrap();
+        if !out.released().is_empty() {
+            break;
+        }
+    }
+    assert_eq!(out.released(), ["g-2".to_string()]);
+    let rows: Vec<RolloutRow> = batches(&mut out, "rollouts");
+    assert_eq!(rows.len(), 1);
+    let r = &rows[0];
+    assert_eq!(
+        (r.turn, r.sample_id.as_str(), r.prompt_token_ids.clone()),
+        (1, "g-2-t1", base.prompt_token_ids)
+    );
+    assert!(
+        r.completion.starts_with(&format!("{first}{tool_text}")),
+        "{:?}",
+        r.completion
+    );
+    let n = r.completion_token_ids.len();
+    assert!(n > n_first + n_tool && n <= n_first + n_tool + 5, "{n}");
+    assert_eq!(
+        (
+            r.completion_logprobs.len(),
+            r.completion_versions.len(),
+            r.loss_mask.len()
+        ),
+        (n, n, n)
+    );
+    assert!(r.loss_mask[..n_first].iter().all(|m| *m));
+    assert!(
+        r.loss_mask[n_first..n_first + n_tool].iter().all(|m| !*m),
+        "tool tokens are masked"
+    );
+    assert!(r.loss_mask[n_first + n_tool..].iter().all(|m| *m));
+    assert!(
+        r.completion_logprobs[n_first..n_first + n_tool]
+            .iter()
+            .all(|l| *l == 0.0)
+    );
+    assert!(r.completion_logprobs[n_first + n_tool..].iter().all(|l| *l < 0.0));
+}

@@ -1,0 +1,114 @@
+//! `streamrl bench sandbox`: latency of one small command through the warm sandbox pool
+//! against a bare fork+exec of the same command, at two concurrencies, in one process.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use streamrl_sandbox::{ExecRequest, ExecStatus, Pool, SandboxConfig};
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+struct Run {
+    p50: f64,
+    p99: f64,
+    per_sec: f64,
+}
+
+/// Runs `n` calls of `f` on `conc` threads; latencies in ms.
+fn measure(n: usize, conc: usize, f: Arc<dyn Fn() -> Result<()> + Send + Sync>) -> Result<Run> {
+    let started = Instant::now();
+    let per = n.div_ceil(conc);
+    let handles: Vec<_> = (0..conc)
+        .map(|_| {
+            let f = f.clone();
+            std::thread::spawn(move || -> Result<Vec<f64>> {
+                let mut lat = Vec::with_capacity(per);
+                for _ in 0..per {
+                    let t = Instant::now();
+                    f()?;
+                    lat.push(t.elapsed().as_secs_f64() * 1e3);
+                }
+                Ok(lat)
+            })
+        })
+        .collect();
+    let mut all = vec![];
+    for h in handles {
+        all.extend(h.join().map_err(|_| anyhow::anyhow!("bench thread panicked"))??);
+    }
+    let secs = started.elapsed().as_secs_f64();
+    all.sort_by(f64::total_cmp);
+    Ok(Run {
+        p50: percentile(&all, 0.5),
+        p99: percentile(&all, 0.99),
+        per_sec: all.len() as f64 / secs,
+    })
+}
+
+pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String) -> Result<()> {
+    let pool = Arc::new(Pool::new(SandboxConfig {
+        pool_size,
+        ..SandboxConfig::default()
+    })?);
+    let argv = vec![python.clone(), "-c".to_string(), "print(1)".to_string()];
+    let check = pool.exec(&ExecRequest::new(argv.clone()));
+    if check.status != ExecStatus::Ok || check.stdout != "1\n" {
+        bail!("the sandboxed command does not work: {check:?}");
+    }
+    println!("streamrl bench sandbox: `{python} -c \"print(1)\"`, {n} execs per row, pool of {pool_size}");
+    println!(
+        "{:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10}",
+        "concurrency", "sbx p50 ms", "bare p50", "sbx p99 ms", "bare p99", "sbx exec/s", "bare ex/s", "p50 +ms"
+    );
+    for conc in concurrency {
+        let a = argv.clone();
+        let bare = measure(
+            n,
+            conc,
+            Arc::new(move || {
+                let out = std::process::Command::new(&a[0]).args(&a[1..]).output()?;
+                if out.stdout != b"1\n" {
+                    bail!("bare run printed {:?}", String::from_utf8_lossy(&out.stdout));
+                }
+                Ok(())
+            }),
+        )?;
+        // Let the pool refill before the sandbox half.
+        while pool.ready() < pool_size {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let (p, a) = (pool.clone(), argv.clone());
+        let sbx = measure(
+            n,
+            conc,
+            Arc::new(move || {
+                let r = p.exec(&ExecRequest::new(a.clone()));
+                if r.status != ExecStatus::Ok {
+                    bail!("sandboxed run: {r:?}");
+                }
+                Ok(())
+            }),
+        )?;
+        println!(
+            "{:<12} {:>11.2} {:>11.2} {:>11.2} {:>11.2} {:>11.1} {:>11.1} {:>+10.2}",
+            conc,
+            sbx.p50,
+            bare.p50,
+            sbx.p99,
+            bare.p99,
+            sbx.per_sec,
+            bare.per_sec,
+            sbx.p50 - bare.p50
+        );
+    }
+    let s = pool.stats();
+    println!(
+        "pool: {} warm starts, {} cold starts (no sandbox was ready), {} start errors; goal: sandbox p50 ≤ bare p50 + 15 ms",
+        s.warm_starts, s.cold_starts, s.start_errors
+    );
+    Ok(())
+}

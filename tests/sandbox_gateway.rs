@@ -1,0 +1,182 @@
+//! `streamrl sandbox serve`: one-shot execs and sessions (exec, upload, download,
+//! delete) over HTTP with bearer-token auth; requests without the token get 401 and
+//! malformed ones a 4xx with the reason.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+const TOKEN: &str = "test-token-0123456789abcdef";
+
+/// A minimal HTTP/1.1 exchange: (status, body).
+fn http(port: u16, method: &str, path: &str, token: Option<&str>, body: &[u8]) -> (u16, Vec<u8>) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    let mut resp = vec![];
+    s.read_to_end(&mut resp).unwrap();
+    let split = resp.windows(4).position(|w| w == b"\r\n\r\n").expect("a header");
+    let head = String::from_utf8_lossy(&resp[..split]).to_string();
+    let status: u16 = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let mut body = resp[split + 4..].to_vec();
+    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        body = dechunk(&body);
+    }
+    (status, body)
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = vec![];
+    loop {
+        let nl = b.windows(2).position(|w| w == b"\r\n").unwrap();
+        let n = usize::from_str_radix(std::str::from_utf8(&b[..nl]).unwrap().trim(), 16).unwrap();
+        if n == 0 {
+            return out;
+        }
+        out.extend_from_slice(&b[nl + 2..nl + 2 + n]);
+        b = &b[nl + 4 + n..];
+    }
+}
+
+fn json_of(body: &[u8]) -> Value {
+    serde_json::from_slice(body).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(body)))
+}
+
+#[test]
+fn the_gateway_runs_commands_and_sessions_behind_a_token() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let _server = Server(
+        Command::new(env!("CARGO_BIN_EXE_streamrl"))
+            .args([
+                "sandbox",
+                "serve",
+                "--pool-size",
+                "2",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+            ])
+            .env("STREAMRL_SANDBOX_TOKEN", TOKEN)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "the gateway did not listen within 30 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let t = Some(TOKEN);
+
+    // Auth.
+    let exec = json!({"argv": ["python3", "-c", "print(6*7)"]}).to_string();
+    let (st, body) = http(port, "POST", "/v1/exec", None, exec.as_bytes());
+    assert_eq!(st, 401, "{}", String::from_utf8_lossy(&body));
+    assert!(json_of(&body)["error"]["message"].as_str().unwrap().contains("Bearer"));
+    let (st, _) = http(
+        port,
+        "POST",
+        "/v1/exec",
+        Some("wrong-token-wrong-token"),
+        exec.as_bytes(),
+    );
+    assert_eq!(st, 401);
+    let (st, body) = http(port, "GET", "/health", None, b"");
+    assert_eq!((st, json_of(&body)["status"].as_str()), (200, Some("ok")));
+
+    // One-shot exec, with files and stdin.
+    let (st, body) = http(port, "POST", "/v1/exec", t, exec.as_bytes());
+    assert_eq!(st, 200);
+    let r = json_of(&body);
+    assert_eq!(
+        (r["status"].as_str(), r["stdout"].as_str()),
+        (Some("ok"), Some("42\n")),
+        "{r}"
+    );
+    let with_files = json!({
+        "argv": ["python3", "main.py"],
+        "files": {"main.py": "import sys; print(sys.stdin.read()[::-1])"},
+        "stdin": "olleh",
+        "limits": {"wall_ms": 2000},
+    });
+    let r = json_of(&http(port, "POST", "/v1/exec", t, with_files.to_string().as_bytes()).1);
+    assert_eq!(r["stdout"].as_str(), Some("hello\n"), "{r}");
+    let slow = json!({"argv": ["sleep", "10"], "limits": {"wall_ms": 300}});
+    let r = json_of(&http(port, "POST", "/v1/exec", t, slow.to_string().as_bytes()).1);
+    assert_eq!(r["status"].as_str(), Some("timeout"), "{r}");
+
+    // Malformed requests: 4xx with the reason.
+    for (body, needle) in [
+        ("{not json".to_string(), "not a valid exec request"),
+        (json!({"argv": []}).to_string(), "argv must name a program"),
+        (
+            json!({"argv": ["true"], "bogus": 1}).to_string(),
+            "unknown field `bogus`",
+        ),
+        (
+            json!({"argv": ["true"], "limits": {"wall_ms": 999999999}}).to_string(),
+            "limits.wall_ms = 999999999 exceeds the maximum 10000",
+        ),
+        (
+            json!({"argv": ["true"], "limits": {"walltime": 5}}).to_string(),
+            "unknown field `walltime`",
+        ),
+    ] {
+        let (st, resp) = http(port, "POST", "/v1/exec", t, body.as_bytes());
+        assert_eq!(st, 400, "{body}");
+        let msg = json_of(&resp)["error"]["message"].as_str().unwrap().to_string();
+        assert!(msg.contains(needle), "{body}: {msg}");
+    }
+    let (st, _) = http(port, "POST", "/v1/sandboxes/nope/exec", t, exec.as_bytes());
+    assert_eq!(st, 404);
+
+    // A session: upload, run, download, list, delete.
+    let (st, body) = http(port, "POST", "/v1/sandboxes", t, b"");
+    assert_eq!(st, 201);
+    let id = json_of(&body)["id"].as_str().unwrap().to_string();
+    let (st, _) = http(
+        port,
+        "PUT",
+        &format!("/v1/sandboxes/{id}/files/src/sq.py"),
+        t,
+        b"print(open('in.txt').read() * 2)",
+    );
+    assert_eq!(st, 204);
+    let (st, _) = http(port, "PUT", &format!("/v1/sandboxes/{id}/files/in.txt"), t, b"ab");
+    assert_eq!(st, 204);
+    let run = json!({"argv": ["bash", "-c", "python3 src/sq.py > out.txt"]}).to_string();
+    let r = json_of(&http(port, "POST", &format!("/v1/sandboxes/{id}/exec"), t, run.as_bytes()).1);
+    assert_eq!(r["status"].as_str(), Some("ok"), "{r}");
+    let (st, body) = http(port, "GET", &format!("/v1/sandboxes/{id}/files/out.txt"), t, b"");
+    assert_eq!((st, body.as_slice()), (200, b"abab\n".as_slice()));
+    let (st, body) = http(port, "GET", &format!("/v1/sandboxes/{id}/files/../etc/passwd"), t, b"");
+    assert!((400..500).contains(&st), "{st} {}", String::from_utf8_lossy(&body));
+    let list = json_of(&http(port, "GET", "/v1/sandboxes", t, b"").1);
+    assert_eq!(list["sandboxes"][0]["id"].as_str(), Some(id.as_str()));
+    let (st, _) = http(port, "DELETE", &format!("/v1/sandboxes/{id}"), t, b"");
+    assert_eq!(st, 204);
+    let (st, _) = http(port, "POST", &format!("/v1/sandboxes/{id}/exec"), t, run.as_bytes());
+    assert_eq!(st, 404);
+}
