@@ -11,6 +11,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use streamrl_envs::rubric::ScoreInput;
 use streamrl_envs::{Environment, Split};
+use streamrl_model::chat::ChatTemplate;
 use streamrl_model::engine::{Engine, EngineConfig, SamplingParams};
 use streamrl_model::optim::LrSchedule;
 use streamrl_model::{Tokenizer, checkpoint, config};
@@ -75,12 +76,17 @@ pub struct SftArgs {
     seed: u64,
 }
 
-fn tokenized(env: &dyn Environment, tok: &Tokenizer, seed: u64) -> Result<Option<TrainSample>> {
+fn tokenized(
+    env: &dyn Environment,
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    seed: u64,
+) -> Result<Option<TrainSample>> {
     let p = env.sample(Split::Train, seed);
     let Some(reference) = env.reference_completion(&p) else {
         return Ok(None);
     };
-    let prompt = tok.encode(&env.prompt(&p).text)?;
+    let prompt = tok.encode(&streamrl_stages::render_prompt(template, &env.prompt(&p))?)?;
     let mut completion = tok.encode(&reference)?;
     completion.extend(tok.eos);
     Ok(Some(TrainSample {
@@ -132,12 +138,13 @@ pub fn sft(a: SftArgs) -> Result<()> {
         .tokenizer
         .clone()
         .ok_or_else(|| anyhow!("{} has no tokenizer.json", start.display()))?;
+    let template = ChatTemplate::for_checkpoint(start)?;
     let mut rng = StdRng::seed_from_u64(a.seed);
     let t0 = Instant::now();
     for step in 1..=a.steps {
         let mut batch = Vec::with_capacity(a.batch);
         while batch.len() < a.batch {
-            match tokenized(env.as_ref(), &tok, rng.random())? {
+            match tokenized(env.as_ref(), &tok, &template, rng.random())? {
                 Some(s) => batch.push(s),
                 None => bail!("environment `{}` has no reference completions to train on", env.name()),
             }
@@ -223,7 +230,14 @@ pub struct EvalReport {
 
 /// Evaluates a checkpoint on an environment's held-out split.
 pub fn evaluate(env: &dyn Environment, dir: &Path, n: usize, k: usize, max_tokens: usize) -> Result<EvalReport> {
+    if env.needs_sandbox() {
+        bail!(
+            "`streamrl eval` scores without a sandbox; environment `{}` needs one (evaluate it through the pipeline)",
+            env.name()
+        );
+    }
     let t0 = Instant::now();
+    let template = ChatTemplate::for_checkpoint(dir)?;
     let l = checkpoint::load(dir, &Device::Cpu)?;
     let tok = l
         .tokenizer
@@ -251,7 +265,7 @@ pub fn evaluate(env: &dyn Environment, dir: &Path, n: usize, k: usize, max_token
     };
     let mut ids = std::collections::HashMap::new();
     for (i, p) in problems.iter().enumerate() {
-        let prompt = tok.encode(&env.prompt(p).text)?;
+        let prompt = tok.encode(&streamrl_stages::render_prompt(&template, &env.prompt(p))?)?;
         let greedy = SamplingParams {
             temperature: 0.0,
             max_tokens,

@@ -21,6 +21,7 @@ pub mod dataset;
 pub mod equiv;
 pub mod math;
 pub mod parse;
+pub mod prompted;
 pub mod rubric;
 pub mod tool;
 

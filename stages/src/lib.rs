@@ -32,6 +32,34 @@ use streamrl_envs::{Environment, Mix};
 use streamrl_runtime::StageError;
 use streamrl_schemas::{MetricRow, SchemaId, TopicRow};
 
+/// The prompt text for the model: the environment's plain text with the built-in plain
+/// template (character models, synthetic tasks), else its chat messages (system prompt,
+/// few-shot turns, the question) rendered by the checkpoint's chat template with the
+/// assistant's turn opened.
+pub fn render_prompt(
+    template: &streamrl_model::chat::ChatTemplate,
+    p: &streamrl_envs::Prompt,
+) -> streamrl_model::Result<String> {
+    use streamrl_model::chat::{ChatMessage, ChatTemplate};
+    match template {
+        ChatTemplate::Plain => Ok(p.text.clone()),
+        t => {
+            let has_system = p.messages.iter().any(|m| m.role == "system");
+            let system = p.system.iter().filter(|_| !has_system).map(|s| ChatMessage {
+                role: "system".into(),
+                content: s.clone(),
+            });
+            let msgs: Vec<ChatMessage> = system
+                .chain(p.messages.iter().map(|m| ChatMessage {
+                    role: m.role.clone(),
+                    content: m.content.clone(),
+                }))
+                .collect();
+            t.render(&msgs, true)
+        }
+    }
+}
+
 /// The tool call a turn's text ends in, as the schema's `ToolCall` (id `ROLLOUT-callTURN`,
 /// arguments `{"code": ...}`).
 pub fn tool_call(
@@ -125,6 +153,13 @@ struct EnvDecl {
     /// The environment's own configuration.
     #[serde(default)]
     config: serde_json::Value,
+    /// Worked examples (training problems with their reference completions) put before
+    /// every prompt.
+    #[serde(default)]
+    few_shot: usize,
+    /// A system prompt (replaces the environment's own, if it has one).
+    #[serde(default)]
+    system_prompt: Option<String>,
 }
 
 fn one() -> f64 {
@@ -156,7 +191,15 @@ pub fn build_envs(envs: &serde_yaml::Value) -> Result<Option<Mix>, Vec<String>> 
                 continue;
             }
         };
-        match streamrl_envs::build(&name, &decl.config) {
+        let built = streamrl_envs::build(&name, &decl.config).and_then(|env| {
+            if decl.few_shot == 0 && decl.system_prompt.is_none() {
+                Ok(env)
+            } else {
+                streamrl_envs::prompted::Prompted::new(env, decl.few_shot, decl.system_prompt.clone())
+                    .map(|e| Box::new(e) as Box<dyn Environment>)
+            }
+        });
+        match built {
             Ok(env) => list.push((env, decl.weight)),
             Err(es) => errs.extend(es.into_iter().map(|e| format!("envs.{name}.config: {e}"))),
         }

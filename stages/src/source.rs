@@ -22,6 +22,7 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 use streamrl_envs::{Mix, Split};
 use streamrl_model::Tokenizer;
+use streamrl_model::chat::ChatTemplate;
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
 use streamrl_schemas::{PolicyRow, PromptRow, SchemaId, TopicRow};
 
@@ -122,6 +123,7 @@ pub struct SourceStage {
     ctx: Ctx,
     envs: Arc<Mix>,
     tokenizer: Tokenizer,
+    template: ChatTemplate,
     prompts: String,
     state: State,
     /// Whether a policy version has been seen since start (admission waits for it).
@@ -147,6 +149,10 @@ impl SourceStage {
         {
             errs.push(format!("checkpoint: {e}"));
         }
+        let template = ChatTemplate::for_checkpoint(&cfg.checkpoint);
+        if let Err(e) = &template {
+            errs.push(format!("checkpoint: {e}"));
+        }
         if let Err(e) = &envs {
             errs.extend(e.clone());
         }
@@ -161,6 +167,7 @@ impl SourceStage {
             ctx,
             envs: envs.expect("checked"),
             tokenizer: tokenizer.expect("checked"),
+            template: template.expect("checked"),
             prompts: prompts.expect("checked"),
             state: State {
                 next_group: 0,
@@ -179,7 +186,8 @@ impl SourceStage {
         let mut rng = StdRng::seed_from_u64(self.cfg.seed ^ g.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let env = self.envs.pick(rng.random::<f64>());
         let problem = env.sample(Split::Train, rng.random());
-        let prompt = env.prompt(&problem).text;
+        let prompt = crate::render_prompt(&self.template, &env.prompt(&problem))
+            .map_err(|e| StageError::internal(format!("rendering the prompt of {}: {e}", problem.id)))?;
         let max_tokens = match self.cfg.length_tail_alpha {
             None => self.cfg.max_tokens,
             Some(alpha) => {

@@ -725,3 +725,37 @@ async fn rollout_continues_a_trajectory_after_its_tool_output_with_the_tool_toke
     );
     assert!(r.completion_logprobs[n_first + n_tool..].iter().all(|l| *l < 0.0));
 }
+
+#[test]
+fn few_shot_and_system_prompts_render_through_the_checkpoint_template() {
+    use streamrl_model::chat::ChatTemplate;
+    let envs = build_envs(&serde_yaml::from_str("arith: {few_shot: 2, system_prompt: Be exact.}").unwrap())
+        .unwrap()
+        .unwrap();
+    let env = envs.get("arith").unwrap();
+    let p = env.prompt(&env.sample(streamrl_envs::Split::Train, 1));
+    let roles: Vec<&str> = p.messages.iter().map(|m| m.role.as_str()).collect();
+    assert_eq!(roles, ["system", "user", "assistant", "user", "assistant", "user"]);
+    let jinja = ChatTemplate::from_jinja(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+        None,
+        None,
+    )
+    .unwrap();
+    let text = streamrl_stages::render_prompt(&jinja, &p).unwrap();
+    assert!(
+        text.starts_with("<system>Be exact.<user>") && text.ends_with("<assistant>"),
+        "{text}"
+    );
+    assert_eq!(
+        streamrl_stages::render_prompt(&ChatTemplate::Plain, &p).unwrap(),
+        p.text
+    );
+    assert!(
+        p.text.starts_with("Be exact.\n") && p.text.matches('=').count() == 3,
+        "{:?}",
+        p.text
+    );
+    let err = build_envs(&serde_yaml::from_str("tool: {few_shot: 1, bogus: 2}").unwrap()).unwrap_err();
+    assert!(err[0].contains("envs.tool") && err[0].contains("bogus"), "{err:?}");
+}
