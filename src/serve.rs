@@ -58,8 +58,22 @@ struct Add {
     events: mpsc::UnboundedSender<(usize, Ev)>,
 }
 
+/// What the engine thread is asked to do.
+enum Cmd {
+    /// Start a sequence.
+    Add(Add),
+    /// Load new weights between two steps (an in-flight update: running sequences go on
+    /// with the new weights).
+    Load {
+        dir: PathBuf,
+        version: u32,
+        sha256: Option<String>,
+        reply: tokio::sync::oneshot::Sender<Result<u32, String>>,
+    },
+}
+
 struct AppState {
-    engine: std::sync::mpsc::Sender<Add>,
+    engine: std::sync::mpsc::Sender<Cmd>,
     tokenizer: Tokenizer,
     template: ChatTemplate,
     model: String,
@@ -68,7 +82,7 @@ struct AppState {
 
 /// The engine loop: admits new requests between steps, routes events, cancels requests
 /// whose client went away.
-fn engine_loop(mut engine: Engine, rx: std::sync::mpsc::Receiver<Add>) {
+fn engine_loop(mut engine: Engine, rx: std::sync::mpsc::Receiver<Cmd>) {
     let mut routes: HashMap<u64, (usize, mpsc::UnboundedSender<(usize, Ev)>)> = HashMap::new();
     loop {
         let mut incoming = Vec::new();
@@ -82,7 +96,28 @@ fn engine_loop(mut engine: Engine, rx: std::sync::mpsc::Receiver<Add>) {
                 Err(_) => return,
             }
         }
-        for a in incoming {
+        let mut adds = Vec::new();
+        for cmd in incoming {
+            match cmd {
+                Cmd::Add(a) => adds.push(a),
+                Cmd::Load {
+                    dir,
+                    version,
+                    sha256,
+                    reply,
+                } => {
+                    let r = engine
+                        .load_weights(&dir, version, sha256.as_deref())
+                        .map(|()| engine.version())
+                        .map_err(|e| e.to_string());
+                    let _ = reply.send(r);
+                }
+            }
+        }
+        if !engine.has_work() && adds.is_empty() {
+            continue;
+        }
+        for a in adds {
             match engine.add(a.prompt, a.params) {
                 Ok(id) => {
                     routes.insert(id, (a.index, a.events));
@@ -165,6 +200,7 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
+        .route("/v1/load_weights", post(load_weights))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such route", None) })
         .with_state(state.clone());
     let listener = tokio::net::TcpListener::bind(a.listen)
@@ -226,6 +262,9 @@ struct Parsed {
     params: Vec<SamplingParams>,
     stream: bool,
     logprobs: bool,
+    /// vLLM's extension: logprob tokens as `token_id:N`; streamrl adds each token's
+    /// policy version (`policy_versions`) to the choice.
+    token_ids: bool,
 }
 
 fn num(body: &Value, key: &'static str) -> Result<Option<f64>, BadRequest> {
@@ -298,7 +337,17 @@ fn parse_common(s: &AppState, body: &Value, prompt: Vec<u32>, default_max: usize
             ));
         }
     };
-    let seed = num(body, "seed")?.map(|x| x as u64);
+    // vLLM's extension: keep the stop string in the text (streamrl's tool-call markers).
+    let keep_stop = body
+        .get("include_stop_str_in_output")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let (stop, kept_stop) = if keep_stop { (vec![], stop) } else { (stop, vec![]) };
+    // Seeds are 64-bit: read them as integers (a JSON double would round them).
+    let seed = match body.get("seed").and_then(Value::as_u64) {
+        Some(x) => Some(x),
+        None => num(body, "seed")?.map(|x| x as u64),
+    };
     let top_k = num(body, "top_k")?.map_or(0, |k| k.max(0.0) as usize);
     let params: Vec<SamplingParams> = (0..n as u64)
         .map(|i| SamplingParams {
@@ -308,6 +357,7 @@ fn parse_common(s: &AppState, body: &Value, prompt: Vec<u32>, default_max: usize
             seed: seed.map_or_else(rand::random, |s| s.wrapping_add(i)),
             max_tokens: max_tokens as usize,
             stop: stop.clone(),
+            tool_call_stop: kept_stop.clone(),
             ..Default::default()
         })
         .collect();
@@ -320,11 +370,16 @@ fn parse_common(s: &AppState, body: &Value, prompt: Vec<u32>, default_max: usize
         Some(Value::Bool(true)) => true,
         Some(v) => v.as_u64().is_some(),
     };
+    let token_ids = body
+        .get("return_tokens_as_token_ids")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     Ok(Parsed {
         prompt,
         params,
         stream,
         logprobs,
+        token_ids,
     })
 }
 
@@ -428,6 +483,55 @@ async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     }
 }
 
+/// `POST /v1/load_weights {"path", "version", "sha256"?}`: an in-flight weight update
+/// (the rollout stage's `engine: openai://` sends the trainer's new versions here).
+async fn load_weights(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let body = match parse_body(&body) {
+        Ok(b) => b,
+        Err(BadRequest(code, msg, param)) => return error(code, msg, param),
+    };
+    let Some(path) = body.get("path").and_then(Value::as_str) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "`path` (a checkpoint directory) is required",
+            Some("path"),
+        );
+    };
+    let Some(version) = body
+        .get("version")
+        .and_then(Value::as_u64)
+        .and_then(|v| u32::try_from(v).ok())
+    else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "`version` must be a non-negative integer",
+            Some("version"),
+        );
+    };
+    let sha256 = body.get("sha256").and_then(Value::as_str).map(str::to_string);
+    let (reply, rx) = tokio::sync::oneshot::channel();
+    if s.engine
+        .send(Cmd::Load {
+            dir: PathBuf::from(path),
+            version,
+            sha256,
+            reply,
+        })
+        .is_err()
+    {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped", None);
+    }
+    match rx.await {
+        Ok(Ok(v)) => axum::Json(json!({"version": v})).into_response(),
+        Ok(Err(e)) => error(
+            StatusCode::BAD_REQUEST,
+            format!("the weights were not loaded (the old ones keep serving): {e}"),
+            Some("path"),
+        ),
+        Err(_) => error(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped", None),
+    }
+}
+
 fn finish_name(r: FinishReason, chat: bool) -> &'static str {
     match r {
         FinishReason::Length => "length",
@@ -447,7 +551,7 @@ async fn run(s: Arc<AppState>, p: Parsed, chat: bool) -> Response {
             index,
             events: tx.clone(),
         };
-        if s.engine.send(add).is_err() {
+        if s.engine.send(Cmd::Add(add)).is_err() {
             return error(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped", None);
         }
     }
@@ -537,7 +641,13 @@ async fn run(s: Arc<AppState>, p: Parsed, chat: bool) -> Response {
             let pieces: Vec<String> = o
                 .tokens
                 .iter()
-                .map(|t| s.tokenizer.decode(std::slice::from_ref(t)).unwrap_or_default())
+                .map(|t| {
+                    if p.token_ids {
+                        format!("token_id:{t}")
+                    } else {
+                        s.tokenizer.decode(std::slice::from_ref(t)).unwrap_or_default()
+                    }
+                })
                 .collect();
             let finish = finish_name(o.finish_reason, chat);
             if chat {
@@ -558,7 +668,11 @@ async fn run(s: Arc<AppState>, p: Parsed, chat: bool) -> Response {
                     }
                     json!({"tokens": pieces, "token_logprobs": o.logprobs, "top_logprobs": null, "text_offset": offsets})
                 });
-                json!({"index": i, "text": o.text, "logprobs": logprobs, "finish_reason": finish})
+                let mut c = json!({"index": i, "text": o.text, "logprobs": logprobs, "finish_reason": finish});
+                if p.token_ids {
+                    c["policy_versions"] = json!(o.versions);
+                }
+                c
             }
         })
         .collect();

@@ -31,19 +31,17 @@ pub struct EnvArgs {
 
 impl EnvArgs {
     fn build(&self) -> Result<Box<dyn Environment>> {
-        let mut cfg = serde_json::Value::Null;
+        let mut entry = serde_yaml::Value::Null;
         if self.topology.exists() {
             let text = std::fs::read_to_string(&self.topology)?;
             let root: serde_yaml::Value = serde_yaml::from_str(&text)?;
-            if let Some(c) = root
-                .get("envs")
-                .and_then(|e| e.get(&self.env))
-                .and_then(|e| e.get("config"))
-            {
-                cfg = serde_json::to_value(c)?;
+            if let Some(e) = root.get("envs").and_then(|e| e.get(&self.env)) {
+                entry = e.clone();
             }
         }
-        streamrl_envs::build(&self.env, &cfg).map_err(|e| anyhow!("environment `{}`: {}", self.env, e.join("; ")))
+        streamrl_stages::build_env(&self.env, &entry)
+            .map(|(env, _)| env)
+            .map_err(|e| anyhow!("environment `{}`: {}", self.env, e.join("; ")))
     }
 }
 

@@ -132,3 +132,145 @@ fn the_openai_client_chats_with_serve_and_bad_requests_get_openai_errors() {
         "{stdout}\n{stderr}"
     );
 }
+
+/// The rollout stage with `engine: openai://` against `streamrl serve`: the same tokens
+/// and logprobs as the in-process engine for the same seeds, and new policy versions
+/// pushed to the server between steps (a bad checksum keeps the old weights).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rollout_stage_drives_serve_as_a_remote_engine_with_weight_updates() {
+    use std::sync::Arc;
+    use streamrl_runtime::{Emitter, Input, Stage};
+    use streamrl_schemas::{PolicyRow, PromptRow, RolloutRow, SchemaId, TopicRow};
+    use streamrl_stages::rollout::{RolloutConfig, RolloutStage};
+
+    let dir = tempfile::tempdir().unwrap();
+    let bin = env!("CARGO_BIN_EXE_streamrl");
+    let (v0, v1) = (dir.path().join("v0"), dir.path().join("v1"));
+    for (d, seed) in [(&v0, "0"), (&v1, "1")] {
+        let ok = Command::new(bin)
+            .args(["model", "init", "--preset", "tiny", "--seed", seed, "--out"])
+            .arg(d)
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let _server = Server(
+        Command::new(bin)
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--checkpoint"])
+            .arg(&v0)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "serve did not listen within 30 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let envs = streamrl_stages::build_envs(&serde_yaml::from_str("arith: {}").unwrap())
+        .unwrap()
+        .map(Arc::new);
+    let ctx = streamrl_stages::Ctx {
+        run_id: "t".into(),
+        run_dir: dir.path().into(),
+        stage: "rollout".into(),
+        replica: 0,
+        outputs: vec![("rollouts".into(), SchemaId::Rollouts)],
+        envs,
+    };
+    let local = RolloutConfig {
+        checkpoint: v0.clone(),
+        max_inflight_groups: 1,
+        ..Default::default()
+    };
+    let remote = RolloutConfig {
+        engine: format!("openai://127.0.0.1:{port}"),
+        ..local.clone()
+    };
+    let tok = streamrl_model::Tokenizer::char_level();
+    let prompt = |group: &str| PromptRow {
+        run_id: "t".into(),
+        problem_id: "p".into(),
+        group_id: group.into(),
+        env: "arith".into(),
+        step: 0,
+        group_size: 4,
+        prompt: "12+30=".into(),
+        prompt_token_ids: tok.encode("12+30=").unwrap(),
+        answer: Some("42".into()),
+        info: None,
+        temperature: 1.0,
+        max_tokens: 10,
+        created_at: 0,
+    };
+    async fn generate(stage: &mut RolloutStage, p: PromptRow) -> Vec<RolloutRow> {
+        let mut out = Emitter::default();
+        stage
+            .process(
+                Input::new("prompts", SchemaId::Prompts, PromptRow::to_batch(&[p]).unwrap()),
+                &mut out,
+            )
+            .await
+            .unwrap();
+        for _ in 0..200 {
+            if !out.released().is_empty() {
+                break;
+            }
+            stage.tick(&mut out).await.unwrap();
+        }
+        let mut rows: Vec<RolloutRow> = out
+            .drain()
+            .into_iter()
+            .flat_map(|(_, b)| RolloutRow::from_batch(&b).unwrap())
+            .collect();
+        rows.sort_by_key(|r| r.sample_index);
+        rows
+    }
+    let mut l = RolloutStage::build(local, ctx.clone()).unwrap();
+    let mut r = RolloutStage::build(remote, ctx).unwrap();
+    let (a, b) = (
+        generate(&mut l, prompt("g1")).await,
+        generate(&mut r, prompt("g1")).await,
+    );
+    assert_eq!(b.len(), 4);
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(
+            (&x.completion_token_ids, &x.completion, &x.finish_reason),
+            (&y.completion_token_ids, &y.completion, &y.finish_reason)
+        );
+        assert!(
+            x.completion_logprobs
+                .iter()
+                .zip(&y.completion_logprobs)
+                .all(|(p, q)| (p - q).abs() < 1e-5)
+        );
+        assert!(y.completion_versions.iter().all(|v| *v == 0));
+    }
+    // Weight updates go to the server; a wrong checksum is refused there.
+    let sha1 = streamrl_model::checkpoint::weights_sha256(&v1).unwrap();
+    let policy = |sha: String| PolicyRow {
+        run_id: "t".into(),
+        version: 1,
+        step: 1,
+        uri: format!("file://{}", v1.display()),
+        sha256: sha,
+        created_at: 0,
+    };
+    let mut out = Emitter::default();
+    let load = |row: PolicyRow| Input::new("policy", SchemaId::Policy, PolicyRow::to_batch(&[row]).unwrap());
+    r.process(load(policy("0".repeat(64))), &mut out).await.unwrap();
+    assert_eq!(r.version(), 0, "a bad checksum keeps the old weights");
+    r.process(load(policy(sha1)), &mut out).await.unwrap();
+    assert_eq!(r.version(), 1);
+    let c = generate(&mut r, prompt("g2")).await;
+    assert!(
+        c.iter().all(|x| x.completion_versions.iter().all(|v| *v == 1)),
+        "tokens come from version 1"
+    );
+}

@@ -16,6 +16,7 @@
 //! value) next to its logic.
 
 pub mod mask;
+pub mod remote;
 pub mod reward;
 pub mod rollout;
 pub mod sandbox;
@@ -166,6 +167,28 @@ fn one() -> f64 {
     1.0
 }
 
+/// Builds one entry of a topology's `envs:` section (its weight, config, few-shot
+/// examples and system prompt); errors carry the entry's key path.
+pub fn build_env(name: &str, entry: &serde_yaml::Value) -> Result<(Box<dyn Environment>, f64), Vec<String>> {
+    let decl: EnvDecl = serde_yaml::from_value(if entry.is_null() {
+        serde_yaml::Value::Mapping(Default::default())
+    } else {
+        entry.clone()
+    })
+    .map_err(|e| vec![format!("envs.{name}: {e}")])?;
+    let env = streamrl_envs::build(name, &decl.config).map_err(|es| {
+        es.into_iter()
+            .map(|e| format!("envs.{name}.config: {e}"))
+            .collect::<Vec<_>>()
+    })?;
+    if decl.few_shot == 0 && decl.system_prompt.is_none() {
+        return Ok((env, decl.weight));
+    }
+    let wrapped = streamrl_envs::prompted::Prompted::new(env, decl.few_shot, decl.system_prompt.clone())
+        .map_err(|es| es.into_iter().map(|e| format!("envs.{name}: {e}")).collect::<Vec<_>>())?;
+    Ok((Box::new(wrapped), decl.weight))
+}
+
 /// Builds the environments of a topology's `envs:` section (`None` when absent), reporting
 /// every problem with its key path.
 pub fn build_envs(envs: &serde_yaml::Value) -> Result<Option<Mix>, Vec<String>> {
@@ -180,28 +203,10 @@ pub fn build_envs(envs: &serde_yaml::Value) -> Result<Option<Mix>, Vec<String>> 
     let mut list: Vec<(Box<dyn Environment>, f64)> = Vec::new();
     for (k, v) in map {
         let name = k.as_str().unwrap_or_default().to_string();
-        let decl: EnvDecl = match serde_yaml::from_value(if v.is_null() {
-            serde_yaml::Value::Mapping(Default::default())
-        } else {
-            v.clone()
-        }) {
-            Ok(d) => d,
-            Err(e) => {
-                errs.push(format!("envs.{name}: {e}"));
-                continue;
-            }
-        };
-        let built = streamrl_envs::build(&name, &decl.config).and_then(|env| {
-            if decl.few_shot == 0 && decl.system_prompt.is_none() {
-                Ok(env)
-            } else {
-                streamrl_envs::prompted::Prompted::new(env, decl.few_shot, decl.system_prompt.clone())
-                    .map(|e| Box::new(e) as Box<dyn Environment>)
-            }
-        });
+        let built = build_env(&name, v);
         match built {
-            Ok(env) => list.push((env, decl.weight)),
-            Err(es) => errs.extend(es.into_iter().map(|e| format!("envs.{name}.config: {e}"))),
+            Ok((env, weight)) => list.push((env, weight)),
+            Err(es) => errs.extend(es),
         }
     }
     if !errs.is_empty() {

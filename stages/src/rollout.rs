@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use candle_core::Device;
 use serde::{Deserialize, Serialize};
+use streamrl_model::Tokenizer;
 use streamrl_model::checkpoint;
 use streamrl_model::engine::{Engine, EngineConfig, Event, Output, SamplingParams};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
@@ -24,6 +25,7 @@ use streamrl_schemas::{
     ContinuationRow, PolicyRow, PromptRow, RolloutRow, SchemaId, ToolCall, TopicRow, trajectory_into,
 };
 
+use crate::remote::RemoteEngine;
 use crate::{Ctx, compute, now_ms, rows, uri_path};
 
 /// Configuration of the rollout stage.
@@ -51,6 +53,16 @@ pub struct RolloutConfig {
     pub ignore_eos: bool,
     /// Most new tokens of a turn after a tool call (continuations).
     pub turn_max_tokens: u32,
+    /// `local` (the in-process continuous-batching engine) or `openai://host:port`: a
+    /// remote OpenAI-compatible server (`streamrl serve`, vLLM, SGLang) that must support
+    /// token-id prompts and `return_tokens_as_token_ids`. `checkpoint` then only supplies
+    /// the tokenizer.
+    pub engine: String,
+    /// Model name sent to a remote engine (default: none, the server's only model).
+    pub served_model_name: Option<String>,
+    /// Push each new policy version to a remote engine (`POST /v1/load_weights`, which
+    /// `streamrl serve` implements); off for servers synced some other way.
+    pub sync_weights: bool,
 }
 
 impl Default for RolloutConfig {
@@ -66,6 +78,9 @@ impl Default for RolloutConfig {
             slice_ms: 50,
             ignore_eos: false,
             turn_max_tokens: 256,
+            engine: "local".into(),
+            served_model_name: None,
+            sync_weights: true,
         }
     }
 }
@@ -97,6 +112,11 @@ impl RolloutConfig {
         if self.turn_max_tokens == 0 {
             p.push("turn_max_tokens must be at least 1".into());
         }
+        if self.engine != "local"
+            && let Err(e) = crate::remote::base_url(&self.engine)
+        {
+            p.push(format!("{e} (or `local`)"));
+        }
         p
     }
 }
@@ -118,11 +138,27 @@ enum Pending {
     },
 }
 
+/// Where samples are generated.
+enum Backend {
+    /// The in-process engine.
+    Local(Box<Engine>),
+    /// A remote OpenAI-compatible server; requests kept for retries.
+    Remote {
+        engine: RemoteEngine,
+        sent: HashMap<u64, (Vec<u32>, SamplingParams, u32)>,
+        next_id: u64,
+    },
+}
+
+/// Attempts per remote request before the stage stops with the error.
+const REMOTE_ATTEMPTS: u32 = 5;
+
 /// The rollout stage.
 pub struct RolloutStage {
     cfg: RolloutConfig,
     ctx: Ctx,
-    engine: Engine,
+    backend: Backend,
+    tokenizer: Tokenizer,
     out_topic: String,
     groups: HashMap<String, Group>,
     requests: HashMap<u64, Pending>,
@@ -157,27 +193,44 @@ impl RolloutStage {
         if !errs.is_empty() {
             return Err(errs);
         }
-        let loaded = checkpoint::load(&cfg.checkpoint, &Device::Cpu).map_err(|e| vec![format!("checkpoint: {e}")])?;
-        let Some(tokenizer) = loaded.tokenizer else {
-            return Err(vec![format!(
-                "checkpoint: {} has no tokenizer.json",
-                cfg.checkpoint.display()
-            )]);
+        let (backend, tokenizer) = if cfg.engine == "local" {
+            let loaded =
+                checkpoint::load(&cfg.checkpoint, &Device::Cpu).map_err(|e| vec![format!("checkpoint: {e}")])?;
+            let Some(tokenizer) = loaded.tokenizer else {
+                return Err(vec![format!(
+                    "checkpoint: {} has no tokenizer.json",
+                    cfg.checkpoint.display()
+                )]);
+            };
+            let engine = Engine::new(
+                loaded.model,
+                0,
+                Some(tokenizer.clone()),
+                EngineConfig {
+                    max_num_seqs: cfg.max_num_seqs,
+                    max_kv_tokens: cfg.max_kv_tokens,
+                    ..Default::default()
+                },
+            );
+            (Backend::Local(Box::new(engine)), tokenizer)
+        } else {
+            let tokenizer = Tokenizer::from_file(&cfg.checkpoint.join("tokenizer.json"))
+                .map_err(|e| vec![format!("checkpoint: {e}")])?;
+            let engine = RemoteEngine::new(&cfg.engine, cfg.served_model_name.clone()).map_err(|e| vec![e])?;
+            (
+                Backend::Remote {
+                    engine,
+                    sent: HashMap::new(),
+                    next_id: 0,
+                },
+                tokenizer,
+            )
         };
-        let engine = Engine::new(
-            loaded.model,
-            0,
-            Some(tokenizer),
-            EngineConfig {
-                max_num_seqs: cfg.max_num_seqs,
-                max_kv_tokens: cfg.max_kv_tokens,
-                ..Default::default()
-            },
-        );
         Ok(RolloutStage {
             cfg,
             ctx,
-            engine,
+            backend,
+            tokenizer,
             out_topic: out.expect("checked"),
             groups: HashMap::new(),
             requests: HashMap::new(),
@@ -188,7 +241,34 @@ impl RolloutStage {
 
     /// The version now serving.
     pub fn version(&self) -> u32 {
-        self.engine.version()
+        match &self.backend {
+            Backend::Local(e) => e.version(),
+            Backend::Remote { engine, .. } => engine.version(),
+        }
+    }
+
+    /// Starts one sequence on the backend.
+    fn submit(&mut self, tokens: Vec<u32>, params: SamplingParams) -> Result<u64, String> {
+        match &mut self.backend {
+            Backend::Local(e) => e.add(tokens, params).map_err(|e| e.to_string()),
+            Backend::Remote { engine, sent, next_id } => {
+                let problems = params.problems();
+                if !problems.is_empty() {
+                    return Err(problems.join("; "));
+                }
+                let id = *next_id;
+                *next_id += 1;
+                engine.submit(id, tokens.clone(), &params);
+                sent.insert(id, (tokens, params, 1));
+                Ok(id)
+            }
+        }
+    }
+
+    fn cancel(&mut self, id: u64) {
+        if let Backend::Local(e) = &mut self.backend {
+            e.cancel(id);
+        }
     }
 
     /// The tool-call stop marker of an environment, if it offers tools.
@@ -218,7 +298,7 @@ impl RolloutStage {
         if self.turns.contains(&c.rollout_id) {
             return Ok(()); // redelivered while still generating
         }
-        let tok = self.engine.tokenizer().expect("built with a tokenizer").clone();
+        let tok = self.tokenizer.clone();
         let tool_text: String = c.tool_outputs.iter().map(|o| o.output.as_str()).collect();
         let tool_tokens = tok.encode(&tool_text).map_err(|e| StageError::user(e.to_string()))?;
         let prompt = if c.prompt_token_ids.is_empty() {
@@ -244,8 +324,7 @@ impl RolloutStage {
             ..Default::default()
         };
         let id = self
-            .engine
-            .add(tokens, params)
+            .submit(tokens, params)
             .map_err(|e| StageError::user(format!("trajectory {} turn {}: {e}", c.rollout_id, c.turn + 1)))?;
         self.turns.insert(c.rollout_id.clone());
         self.requests.insert(
@@ -266,8 +345,9 @@ impl RolloutStage {
         }
         let mut ids = Vec::new();
         let tokens = if p.prompt_token_ids.is_empty() {
-            let tok = self.engine.tokenizer().expect("built with a tokenizer");
-            tok.encode(&p.prompt).map_err(|e| StageError::user(e.to_string()))?
+            self.tokenizer
+                .encode(&p.prompt)
+                .map_err(|e| StageError::user(e.to_string()))?
         } else {
             p.prompt_token_ids.clone()
         };
@@ -283,11 +363,11 @@ impl RolloutStage {
                 ignore_eos: self.cfg.ignore_eos,
                 ..Default::default()
             };
-            match self.engine.add(tokens.clone(), params) {
+            match self.submit(tokens.clone(), params) {
                 Ok(id) => ids.push(id),
                 Err(e) => {
                     for id in ids {
-                        self.engine.cancel(id);
+                        self.cancel(id);
                         self.requests.remove(&id);
                     }
                     return Err(StageError::user(format!("group {}: {e}", p.group_id)));
@@ -311,19 +391,64 @@ impl RolloutStage {
         Ok(())
     }
 
-    /// Runs engine steps until `until` says stop or the engine is idle; emits finished
-    /// samples and releases finished groups.
-    fn drive(&mut self, out: &mut Emitter, mut until: impl FnMut(&Self) -> bool) -> Result<(), StageError> {
+    /// Runs engine steps (or collects remote answers) until `until` says stop or nothing
+    /// is in flight; emits finished samples and releases finished groups.
+    async fn drive(
+        &mut self,
+        out: &mut Emitter,
+        mut until: impl FnMut(&Self) -> bool,
+        deadline: Instant,
+    ) -> Result<(), StageError> {
         let mut done = Vec::new();
-        while self.engine.has_work() && !until(self) {
-            let events =
-                compute(|| self.engine.step()).map_err(|e| StageError::internal(format!("engine step: {e}")))?;
-            for e in events {
-                if let Event::Done(o) = e {
-                    done.push(o);
-                    self.finish(done.last().expect("pushed"));
+        while !until(self) {
+            let mut new = Vec::new();
+            match &mut self.backend {
+                Backend::Local(engine) => {
+                    if !engine.has_work() {
+                        break;
+                    }
+                    let events =
+                        compute(|| engine.step()).map_err(|e| StageError::internal(format!("engine step: {e}")))?;
+                    new.extend(events.into_iter().filter_map(|e| match e {
+                        Event::Done(o) => Some(o),
+                        _ => None,
+                    }));
+                }
+                Backend::Remote { engine, sent, .. } => {
+                    if engine.in_flight() == 0 {
+                        break;
+                    }
+                    let wait = deadline
+                        .saturating_duration_since(Instant::now())
+                        .max(Duration::from_millis(1));
+                    let Some((id, r)) = engine.next(wait).await else { break };
+                    match r {
+                        Ok(o) => {
+                            sent.remove(&id);
+                            new.push(o);
+                        }
+                        Err(e) => {
+                            let Some((tokens, params, attempts)) = sent.remove(&id) else {
+                                return Err(StageError::internal(format!("engine {}: {e}", engine.base())));
+                            };
+                            if attempts >= REMOTE_ATTEMPTS {
+                                return Err(StageError::internal(format!(
+                                    "engine {}: a request failed {attempts} times; last error: {e}",
+                                    engine.base()
+                                )));
+                            }
+                            tracing::warn!(engine = engine.base(), attempt = attempts, error = %e, "remote request failed; retrying");
+                            tokio::time::sleep(Duration::from_millis(100 << attempts.min(5))).await;
+                            engine.submit(id, tokens.clone(), &params);
+                            sent.insert(id, (tokens, params, attempts + 1));
+                        }
+                    }
                 }
             }
+            for o in &new {
+                self.finish(o);
+            }
+            done.extend(new);
         }
         self.emit(done, out)
     }
@@ -340,7 +465,7 @@ impl RolloutStage {
         if done.is_empty() {
             return Ok(());
         }
-        let tok = self.engine.tokenizer().expect("built with a tokenizer").clone();
+        let tok = self.tokenizer.clone();
         let mut rows_out = Vec::with_capacity(done.len());
         for o in done {
             let Some(pending) = self.requests.remove(&o.id) else {
@@ -447,13 +572,24 @@ impl RolloutStage {
         Ok(())
     }
 
-    fn load_policy(&mut self, p: &PolicyRow, out: &mut Emitter) {
-        if p.version <= self.engine.version() {
+    async fn load_policy(&mut self, p: &PolicyRow, out: &mut Emitter) {
+        if p.version <= self.version() {
             return;
         }
         let dir = uri_path(&p.uri);
         let t0 = Instant::now();
-        match compute(|| self.engine.load_weights(&dir, p.version, Some(&p.sha256))) {
+        let sync = self.cfg.sync_weights;
+        let r = match &mut self.backend {
+            Backend::Local(engine) => {
+                compute(|| engine.load_weights(&dir, p.version, Some(&p.sha256))).map_err(|e| e.to_string())
+            }
+            Backend::Remote { engine, .. } if sync => engine.load_weights(&dir, p.version, &p.sha256).await,
+            Backend::Remote { engine, .. } => {
+                engine.set_version(p.version);
+                Ok(())
+            }
+        };
+        match r {
             Ok(()) => {
                 tracing::debug!(stage = %self.ctx.instance(), version = p.version, ms = t0.elapsed().as_millis() as u64, "loaded policy");
                 if let Some((t, b)) = self.ctx.metrics(
@@ -486,7 +622,7 @@ impl Stage for RolloutStage {
         match input.schema {
             SchemaId::Policy => {
                 if let Some(p) = rows::<PolicyRow>(&input.batch)?.into_iter().max_by_key(|p| p.version) {
-                    self.load_policy(&p, out);
+                    self.load_policy(&p, out).await;
                 }
                 Ok(())
             }
@@ -499,7 +635,8 @@ impl Stage for RolloutStage {
                     self.add_group(p)?;
                 }
                 let max = self.cfg.max_inflight_groups;
-                self.drive(out, |s| s.groups.len() < max)
+                let far = Instant::now() + Duration::from_secs(3600);
+                self.drive(out, |s| s.groups.len() < max, far).await
             }
             SchemaId::Continuations => {
                 let conts = rows::<ContinuationRow>(&input.batch)?;
@@ -521,11 +658,14 @@ impl Stage for RolloutStage {
 
     async fn tick(&mut self, out: &mut Emitter) -> Result<(), StageError> {
         let deadline = Instant::now() + Duration::from_millis(self.cfg.slice_ms);
-        self.drive(out, |_| Instant::now() >= deadline)
+        self.drive(out, |_| Instant::now() >= deadline, deadline).await
     }
 
     async fn close(&mut self, _out: &mut Emitter) -> Result<(), StageError> {
-        let s = self.engine.stats();
+        let Backend::Local(engine) = &self.backend else {
+            return Ok(());
+        };
+        let s = engine.stats();
         tracing::info!(stage = %self.ctx.instance(), generated = s.generated, decode_steps = s.decode_steps,
             mean_batch = if s.decode_steps > 0 { s.batch_rows as f64 / s.decode_steps as f64 } else { 0.0 },
             "engine stopped; unfinished groups stay unacknowledged and are generated again on restart");
