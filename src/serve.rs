@@ -4,7 +4,10 @@
 //! receive per-token events back, so concurrent requests (and the `n` choices of one
 //! request) share every decode step. Routes: `POST /v1/completions`,
 //! `POST /v1/chat/completions` (both with `n`, `logprobs`, `stop`, `seed`, `usage` and
-//! server-sent-event streaming), `GET /v1/models`, `GET /health`. Bad requests get a 4xx
+//! server-sent-event streaming), `POST /v1/load_weights` (an in-flight weight update:
+//! `{path, version, sha256}`), `GET /v1/models`, `GET /health`. vLLM's
+//! `return_tokens_as_token_ids` (plus per-token `policy_versions`) and
+//! `include_stop_str_in_output` extensions are understood. Bad requests get a 4xx
 //! with an OpenAI-style `{"error": {"message", "type", "param", "code"}}` body.
 
 use std::collections::HashMap;
