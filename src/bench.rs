@@ -21,6 +21,10 @@ pub enum Which {
         /// Skip the SmolLM2-135M shape (≈10 s per step).
         #[arg(long)]
         skip_large: bool,
+        /// Internal: run one step of the memory probe in this process (`on` or `off` for
+        /// activation checkpointing) and print its peak RSS.
+        #[arg(long, hide = true)]
+        memory_probe: Option<String>,
     },
     /// Decode tokens/s of the KV-cache sampler at batch 1 and 32 (static batches), tiny and
     /// small presets, single-threaded.
@@ -74,7 +78,11 @@ pub enum Which {
 
 pub async fn run(which: Which) -> Result<()> {
     match which {
-        Which::Train { steps, skip_large } => crate::bench_train::run(steps, skip_large),
+        Which::Train {
+            memory_probe: Some(mode),
+            ..
+        } => crate::bench_train::memory_probe(mode == "on"),
+        Which::Train { steps, skip_large, .. } => crate::bench_train::run(steps, skip_large),
         Which::Async { steps, alpha } => crate::bench_async::run(steps, alpha).await,
         Which::Sandbox {
             n,

@@ -162,6 +162,92 @@ pub fn run(steps: usize, skip_large: bool) -> Result<()> {
     println!("ratio: stock candle AdamW step time / streamrl's (higher is better).");
     println!("vs torch: streamrl step time / PyTorch 2.15 CPU single-threaded on the same shape");
     println!("(≈50 ms, 275 ms, 6.8 s, measured on this machine for issue #3; below 1.00× beats it).");
+    checkpointing_table()
+}
+
+/// The memory probe's shape: activations dominate (d256, 8 layers, 16 × 256 tokens).
+fn probe_shape() -> HfConfig {
+    let mut h = streamrl_model::config::preset("small", 64).expect("preset");
+    h.num_hidden_layers = 8;
+    h.max_position_embeddings = 256;
+    h
+}
+
+fn status_kib(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix(field))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// One training step of the probe shape with or without activation checkpointing, in a
+/// process of its own; prints `peak_bytes step_ms` (peak RSS above the RSS before it).
+pub fn memory_probe(checkpointing: bool) -> Result<()> {
+    let m = checkpoint::init(&probe_shape(), &Device::Cpu)?;
+    let rows: Vec<Vec<Vec<u32>>> = (0..16)
+        .map(|b| vec![(0..256).map(|i| ((b * 7 + i * 13) % 64) as u32).collect()])
+        .collect();
+    let batch = Packed::new(&rows, &Device::Cpu)?;
+    let loss_of = |logits: &candle_core::Tensor| -> streamrl_model::Result<candle_core::Tensor> {
+        let lp = token_logprobs(logits, &batch.tokens, 1.0)?.flatten_all()?;
+        let n = lp.dims1()?;
+        let mask: Vec<f32> = (0..n).map(|i| if i % batch.width == 0 { 0.0 } else { 1.0 }).collect();
+        let zeros = vec![0f32; n];
+        let inputs = LossInputs {
+            logprobs: &lp,
+            sampler: &zeros,
+            advantages: &zeros,
+            mask: &mask,
+            spans: &[],
+        };
+        Ok(loss::compute(LossKind::Sft, inputs)?.0)
+    };
+    let before = status_kib("VmRSS:");
+    // Reset the high-water mark so VmHWM is this step's peak.
+    std::fs::write("/proc/self/clear_refs", "5")?;
+    let t0 = Instant::now();
+    let grads = if checkpointing {
+        m.model.backward_checkpointed(&batch, 0.0, loss_of)?.0
+    } else {
+        let (logits, _) = m.model.forward(&batch)?;
+        loss_of(&logits)?.backward()?
+    };
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    let peak = status_kib("VmHWM:").saturating_sub(before) * 1024;
+    drop(grads);
+    println!("{peak} {ms:.1}");
+    Ok(())
+}
+
+/// Peak memory and step time of one training step with and without activation
+/// checkpointing, each in a fresh process.
+fn checkpointing_table() -> Result<()> {
+    let exe = std::env::current_exe()?;
+    let probe = |mode: &str| -> Result<(f64, f64)> {
+        let out = std::process::Command::new(&exe)
+            .args(["bench", "train", "--memory-probe", mode])
+            .output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let mut it = text.split_whitespace();
+        match (
+            it.next().and_then(|v| v.parse().ok()),
+            it.next().and_then(|v| v.parse().ok()),
+        ) {
+            (Some(p), Some(ms)) => Ok((p, ms)),
+            _ => anyhow::bail!("memory probe `{mode}` failed: {}", String::from_utf8_lossy(&out.stderr)),
+        }
+    };
+    let (off, on) = (probe("off")?, probe("on")?);
+    println!();
+    println!("activation checkpointing (d256 L8 V64, 16×256 tokens, forward + backward, fresh process each)");
+    println!("{:<14} {:>15} {:>12}", "", "peak RSS MiB", "step ms");
+    println!("{:<14} {:>15.1} {:>12.1}", "off", off.0 / 1048576.0, off.1);
+    println!("{:<14} {:>15.1} {:>12.1}", "on", on.0 / 1048576.0, on.1);
+    println!("{:<14} {:>14.2}× {:>11.2}×", "on / off", on.0 / off.0, on.1 / off.1);
     Ok(())
 }
 

@@ -29,6 +29,10 @@ pub struct ArithConfig {
     pub levels: Vec<Level>,
     /// One problem in this many (by a hash of the expression) is held out for eval.
     pub eval_every: u64,
+    /// Weight of a partial-credit reward (`digits`: the fraction of the answer's digits,
+    /// aligned from the right, and its sign, that the completion gets right); 0: off.
+    /// Denser than exact match, so RL has a signal on problems it never solves outright.
+    pub partial_credit: f32,
 }
 
 impl Default for ArithConfig {
@@ -52,6 +56,7 @@ impl Default for ArithConfig {
                 },
             ],
             eval_every: 10,
+            partial_credit: 0.0,
         }
     }
 }
@@ -67,6 +72,19 @@ fn fnv(s: &str) -> u64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
     })
+}
+
+/// The fraction of `want`'s digits (aligned from the right) and sign that `got` matches;
+/// extra digits in `got` count against it. 1 only for the exact answer.
+pub fn digit_credit(got: &str, want: &str) -> f32 {
+    let split = |s: &str| -> (bool, Vec<u8>) {
+        let neg = s.starts_with('-');
+        (neg, s.trim_start_matches('-').bytes().rev().collect())
+    };
+    let ((gn, g), (wn, w)) = (split(got), split(want));
+    let positions = g.len().max(w.len()) + 1;
+    let same = g.iter().zip(&w).filter(|(a, b)| a == b).count() + (gn == wn) as usize;
+    same as f32 / positions as f32
 }
 
 /// Evaluates `+ - *` with the usual precedence, exactly (i128, overflow is `None`).
@@ -116,10 +134,13 @@ impl Arith {
         if cfg.eval_every < 2 {
             errs.push(format!("eval_every {} must be at least 2", cfg.eval_every));
         }
+        if !(0.0..=10.0).contains(&cfg.partial_credit) {
+            errs.push(format!("partial_credit {} must be in [0, 10]", cfg.partial_credit));
+        }
         if !errs.is_empty() {
             return Err(errs);
         }
-        let rubric = Rubric::new().with("exact_match", 1.0, |i| {
+        let mut rubric = Rubric::new().with("exact_match", 1.0, |i| {
             let want = i.problem.answer.as_deref().ok_or("problem has no answer")?;
             Ok(match i.parsed {
                 Some(got) if got == want => (1.0, format!("{got} == {want}")),
@@ -127,6 +148,18 @@ impl Arith {
                 None => (0.0, "no answer found".into()),
             })
         });
+        if cfg.partial_credit > 0.0 {
+            rubric = rubric.with("digits", cfg.partial_credit, |i| {
+                let want = i.problem.answer.as_deref().ok_or("problem has no answer")?;
+                Ok(match i.parsed {
+                    Some(got) => {
+                        let v = digit_credit(got, want);
+                        (v, format!("{:.0}% of the digits of {want}", v * 100.0))
+                    }
+                    None => (0.0, "no answer found".into()),
+                })
+            });
+        }
         Ok(Arith { cfg, rubric })
     }
 
@@ -221,6 +254,38 @@ mod tests {
     }
 
     #[test]
+    fn partial_credit_counts_right_aligned_digits_and_sign() {
+        assert_eq!(digit_credit("123", "123"), 1.0);
+        assert_eq!(digit_credit("124", "123"), 0.75);
+        assert_eq!(digit_credit("23", "123"), 0.75, "a missing digit is wrong");
+        assert_eq!(digit_credit("-123", "123"), 0.75, "the sign counts");
+        assert_eq!(digit_credit("9123", "123"), 0.8, "an extra digit counts against");
+        assert_eq!(digit_credit("", "7"), 0.5);
+        let env = Arith::new(ArithConfig {
+            partial_credit: 0.5,
+            ..Default::default()
+        })
+        .unwrap();
+        let p = Problem {
+            id: "x".into(),
+            env: "arith".into(),
+            question: "100+23".into(),
+            answer: Some("123".into()),
+            info: serde_json::Value::Null,
+        };
+        let s = env.rubric().score(&ScoreInput {
+            problem: &p,
+            completion: "124\n",
+            parsed: Some("124"),
+            exec: None,
+        });
+        assert_eq!(
+            (s.reward, s.components[1].reason.as_str()),
+            (0.375, "75% of the digits of 123")
+        );
+    }
+
+    #[test]
     fn splits_are_disjoint_and_deterministic() {
         let env = Arith::new(ArithConfig::default()).unwrap();
         let train: std::collections::HashSet<String> =
@@ -242,9 +307,16 @@ mod tests {
                 operators: "/".into(),
             }],
             eval_every: 1,
+            partial_credit: -1.0,
         };
         let errs = Arith::new(cfg).unwrap_err().join("\n");
-        for want in ["digits 0", "operands 9", "operators \"/\"", "eval_every 1"] {
+        for want in [
+            "digits 0",
+            "operands 9",
+            "operators \"/\"",
+            "eval_every 1",
+            "partial_credit -1",
+        ] {
             assert!(errs.contains(want), "missing {want}: {errs}");
         }
     }

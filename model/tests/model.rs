@@ -70,7 +70,12 @@ fn rl_loss(model: &Transformer) -> Tensor {
 fn rl_loss_against(model: &Transformer, fixed_sampler: Option<&[f32]>) -> Tensor {
     let batch = Packed::new(&samples(), &Device::Cpu).unwrap();
     let (logits, aux) = model.forward(&batch).unwrap();
-    let lp = token_logprobs(&logits, &batch.tokens, 1.0)
+    (rl_loss_of(&logits, &batch, fixed_sampler) + aux.balance_loss).unwrap()
+}
+
+/// The RL loss of given logits (without the balance loss).
+fn rl_loss_of(logits: &Tensor, batch: &Packed, fixed_sampler: Option<&[f32]>) -> Tensor {
+    let lp = token_logprobs(logits, &batch.tokens, 1.0)
         .unwrap()
         .flatten_all()
         .unwrap();
@@ -110,7 +115,48 @@ fn rl_loss_against(model: &Transformer, fixed_sampler: Option<&[f32]>) -> Tensor
     )
     .unwrap();
     assert_eq!(m.masked_low + m.masked_high, 0.0);
-    (l + aux.balance_loss).unwrap()
+    l
+}
+
+#[test]
+fn activation_checkpointing_gives_the_same_gradients() {
+    for (name, hf) in all_configs() {
+        let loaded = checkpoint::init(&hf, &Device::Cpu).unwrap();
+        let plain = rl_loss(&loaded.model).backward().unwrap();
+        let batch = Packed::new(&samples(), &Device::Cpu).unwrap();
+        let (ckpt, logits, aux) = loaded
+            .model
+            .backward_checkpointed(&batch, 1.0, |lg| Ok(rl_loss_of(lg, &batch, None)))
+            .unwrap();
+        let (plain_logits, plain_aux) = loaded.model.forward(&batch).unwrap();
+        let diff = |a: &Tensor, b: &Tensor| {
+            (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        assert!(diff(&logits, &plain_logits) < 1e-6, "{name}: logits differ");
+        assert_eq!(aux.moe.len(), plain_aux.moe.len());
+        let data = loaded.vars.data().lock().unwrap();
+        for (k, v) in data.iter() {
+            let (a, b) = (plain.get(v.as_tensor()).unwrap(), ckpt.get(v.as_tensor()));
+            let b = b.unwrap_or_else(|| panic!("{name}: {k} got no gradient with checkpointing"));
+            let scale = a
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+                .max(1e-6);
+            let d = diff(a, b);
+            assert!(d <= 1e-4 * scale.max(1.0), "{name}: {k} differs by {d} (scale {scale})");
+        }
+    }
 }
 
 #[test]

@@ -114,6 +114,10 @@ pub struct TrainConfig {
     pub temperature: f32,
     /// Weight of the MoE load-balance loss (0 for dense models).
     pub balance_coef: f32,
+    /// Recompute each layer in the backward instead of keeping its activations: lower
+    /// peak memory for about one more forward per step (`streamrl bench train` measures
+    /// both).
+    pub activation_checkpointing: bool,
 }
 
 impl Default for TrainConfig {
@@ -126,6 +130,7 @@ impl Default for TrainConfig {
             micro_batch_tokens: 4096,
             temperature: 1.0,
             balance_coef: 0.01,
+            activation_checkpointing: false,
         }
     }
 }
@@ -323,8 +328,6 @@ impl Learner {
                 })
                 .collect();
             let packed = Packed::new(&seqs, &Device::Cpu)?;
-            let (logits, aux) = self.model.forward(&packed)?;
-            let lp = token_logprobs(&logits, &packed.tokens, self.cfg.temperature as f64)?.flatten_all()?;
             let order: Vec<usize> = mb.iter().flatten().copied().collect();
             let (mut idx, mut sampler, mut adv, mut mask, mut spans) = (vec![], vec![], vec![], vec![], vec![]);
             let mut ent_mask = vec![0f32; packed.tokens.elem_count()];
@@ -345,20 +348,40 @@ impl Learner {
             if idx.is_empty() {
                 continue;
             }
-            let lp = lp.index_select(&Tensor::new(idx.as_slice(), &Device::Cpu)?, 0)?;
-            let (l, m) = loss::compute(
-                kind,
-                LossInputs {
-                    logprobs: &lp,
-                    sampler: &sampler,
-                    advantages: &adv,
-                    mask: &mask,
-                    spans: &spans,
-                },
-            )?;
             let w = mb_trainable / denom;
-            let total = ((l * w as f64)? + (aux.balance_loss * self.cfg.balance_coef as f64)?)?;
-            let g = total.backward()?;
+            let temperature = self.cfg.temperature as f64;
+            let idx_t = Tensor::new(idx.as_slice(), &Device::Cpu)?;
+            // The loss of this micro-batch (weighted by its share of trainable tokens).
+            let loss_of = |logits: &Tensor| -> streamrl_model::Result<(Tensor, loss::LossMetrics)> {
+                let lp = token_logprobs(logits, &packed.tokens, temperature)?
+                    .flatten_all()?
+                    .index_select(&idx_t, 0)?;
+                let (l, m) = loss::compute(
+                    kind,
+                    LossInputs {
+                        logprobs: &lp,
+                        sampler: &sampler,
+                        advantages: &adv,
+                        mask: &mask,
+                        spans: &spans,
+                    },
+                )?;
+                Ok(((l * w as f64)?, m))
+            };
+            let coef = self.cfg.balance_coef as f64;
+            let (g, logits, m) = if self.cfg.activation_checkpointing {
+                let mut metrics = None;
+                let (g, logits, _) = self.model.backward_checkpointed(&packed, coef, |lg| {
+                    let (l, m) = loss_of(lg)?;
+                    metrics = Some(m);
+                    Ok(l)
+                })?;
+                (g, logits, metrics.expect("the head loss ran"))
+            } else {
+                let (logits, aux) = self.model.forward(&packed)?;
+                let (l, m) = loss_of(&logits)?;
+                ((l + (aux.balance_loss * coef)?)?.backward()?, logits, m)
+            };
             let ent = masked_entropy(
                 &logits,
                 &Tensor::from_vec(ent_mask, packed.tokens.dims(), &Device::Cpu)?,

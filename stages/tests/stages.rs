@@ -759,3 +759,43 @@ fn few_shot_and_system_prompts_render_through_the_checkpoint_template() {
     let err = build_envs(&serde_yaml::from_str("tool: {few_shot: 1, bogus: 2}").unwrap()).unwrap_err();
     assert!(err[0].contains("envs.tool") && err[0].contains("bogus"), "{err:?}");
 }
+
+#[test]
+fn the_learner_steps_the_same_with_activation_checkpointing() {
+    use streamrl_stages::train::{Learner, TrainConfig, TrainSample};
+    let dir = tempfile::tempdir().unwrap();
+    tiny(dir.path(), 5);
+    let batch: Vec<TrainSample> = (0..6u32)
+        .map(|i| TrainSample {
+            prompt: vec![10 + i, 11, 12],
+            completion: vec![20 + i, 21, 22, 2],
+            sampler_logprobs: vec![-3.0, -2.5, -4.0, -1.0],
+            loss_mask: vec![true, true, i % 2 == 0, true],
+            advantage: if i % 3 == 0 { -0.5 } else { 0.7 },
+        })
+        .collect();
+    let step = |ckpt: bool| {
+        let cfg = TrainConfig {
+            activation_checkpointing: ckpt,
+            micro_batch_tokens: 16,
+            pack_len: 16,
+            ..Default::default()
+        };
+        let mut l = Learner::load(dir.path(), cfg).unwrap();
+        let first = l.step(&batch).unwrap();
+        let second = l.step(&batch).unwrap();
+        (first, second)
+    };
+    let (plain, ckpt) = (step(false), step(true));
+    for (a, b) in [(&plain.0, &ckpt.0), (&plain.1, &ckpt.1)] {
+        assert!(a.micro_batches > 1, "gradients accumulate over micro-batches");
+        assert!((a.loss - b.loss).abs() < 1e-5, "{} vs {}", a.loss, b.loss);
+        assert!(
+            (a.grad_norm - b.grad_norm).abs() <= 1e-4 * a.grad_norm.max(1.0),
+            "{} vs {}",
+            a.grad_norm,
+            b.grad_norm
+        );
+        assert!((a.entropy - b.entropy).abs() < 1e-5);
+    }
+}
