@@ -138,3 +138,61 @@ fn run_warm_starts_then_trains_through_every_stage_and_archives_the_lineage() {
         "dead letters were written"
     );
 }
+
+/// Multi-turn tool use through the whole pipeline: a short SFT teaches the tiny model the
+/// tool format; the rollout stage stops at `</python>`, the sandbox stage runs the call in a
+/// real sandbox and sends its output back on `continuations`, the rollout stage generates
+/// the answer turn, and the trainer trains on trajectories whose tool tokens are masked.
+#[test]
+fn run_trains_on_multi_turn_tool_trajectories_executed_in_sandboxes() {
+    let dir = tempfile::tempdir().unwrap();
+    let topology = TOPOLOGY
+        .replace("run_id: e2e", "run_id: tool")
+        .replace(
+            "  arith: { weight: 1 }\nsft: { out: run/sft, steps: 20, batch: 32 }",
+            "  tool: { weight: 1, config: { digits: 2, max_turns: 3 } }\nsft: { out: run/sft, env: tool, steps: 60, batch: 16, lr: 0.003 }",
+        )
+        .replace("max_steps: 3, max_tokens: 8 }", "max_steps: 2, max_tokens: 48, temperature: 0.7 }")
+        .replace("config: { checkpoint: run/sft, max_inflight_groups: 2 }", "config: { checkpoint: run/sft, max_inflight_groups: 2, turn_max_tokens: 32 }")
+        .replace("groups_per_step: 2, max_steps: 3, keep_last: 2 }", "groups_per_step: 2, max_steps: 2, keep_last: 2, train: { temperature: 0.7 } }");
+    assert!(
+        topology.contains("env: tool")
+            && topology.contains("turn_max_tokens")
+            && topology.contains("max_steps: 2, keep_last")
+    );
+    std::fs::write(dir.path().join("topology.yaml"), topology).unwrap();
+    let (ok, out, err) = streamrl(dir.path(), &["run"]);
+    assert!(ok, "run failed:\n{out}\n{err}");
+    assert!(err.contains("trainer reached max_steps 2"), "{err}");
+    let q = |sql: &str| {
+        let (ok, out, err) = streamrl(dir.path(), &["query", sql, "--format", "csv"]);
+        assert!(ok, "{sql}: {err}");
+        out.lines().skip(1).map(str::to_string).collect::<Vec<_>>()
+    };
+    let n = |sql: &str| -> usize { q(sql)[0].parse().unwrap() };
+    // Most first turns end in a tool call, and each of those got a second turn.
+    let calls = n("SELECT count(*) FROM rollouts WHERE turn = 0 AND finish_reason = 'tool_call'");
+    assert!(calls >= 8, "only {calls} of 16 first turns called the tool");
+    assert_eq!(
+        n(
+            "SELECT count(*) FROM rollouts a JOIN rollouts b ON a.rollout_id = b.rollout_id \
+           WHERE a.turn = 0 AND a.finish_reason = 'tool_call' AND b.turn = 1"
+        ),
+        calls
+    );
+    // The sandbox ran every call.
+    assert_eq!(
+        n("SELECT count(*) FROM continuations WHERE tool_outputs[1]['status'] = 'ok'"),
+        calls
+    );
+    // One scored row per trajectory (its last turn), and trained samples mask tool tokens.
+    assert_eq!(q("SELECT count(DISTINCT rollout_id), count(*) FROM scored"), ["16,16"]);
+    assert_eq!(
+        n("SELECT count(*) FROM samples WHERE array_has(loss_mask, false)"),
+        calls
+    );
+    assert!(
+        !dir.path().join("run/archive/dead_letter").exists(),
+        "dead letters were written"
+    );
+}

@@ -206,9 +206,8 @@ impl Environment for Tool {
     fn prompt(&self, p: &Problem) -> Prompt {
         let t = &self.protocol;
         Prompt::text(format!(
-            "You can run Python: write code between {} and {}; its output comes back between {} and {}. \
-             You have {} turns. Give the final answer as <answer>N</answer>.\n{}\n",
-            t.call_start, t.call_end, t.output_start, t.output_end, t.max_turns, p.question
+            "Run Python with {}code{}; its output comes back in {}. Answer as <answer>N</answer>.\n{}\n",
+            t.call_start, t.call_end, t.output_start, p.question
         ))
     }
 
