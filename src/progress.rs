@@ -22,6 +22,8 @@ pub struct Summary {
     pub wall: f64,
     /// Seconds from the start of the run to each step's metrics.
     pub at: BTreeMap<u64, f64>,
+    /// Held-out greedy accuracy by version, where the trainer measured it.
+    pub heldout: BTreeMap<u64, f64>,
 }
 
 impl Summary {
@@ -93,6 +95,14 @@ impl Summary {
                 mean(last.clone(), k)
             );
         }
+        if let (Some((s0, h0)), Some((s1, h1))) = (self.heldout.iter().next(), self.heldout.iter().next_back()) {
+            eprintln!(
+                "{:<28} {:>11.1}% {:>11.1}%   (versions {s0} and {s1})",
+                "heldout_accuracy",
+                h0 * 100.0,
+                h1 * 100.0
+            );
+        }
     }
 }
 
@@ -161,6 +171,13 @@ impl Watcher {
                         let Ok(m) = m else { break };
                         let Ok(b) = codec::decode(SchemaId::Metrics, &m.headers, &m.payload) else { continue };
                         let Ok(rows) = MetricRow::from_batch(&b) else { continue };
+                        // The held-out accuracy of version 0 arrives on its own, before step 1.
+                        if let Some(h) = rows.iter().find(|r| r.name == "heldout_accuracy" && r.step == 0) {
+                            summary.heldout.insert(0, h.value);
+                            if !quiet {
+                                eprintln!("step    0 held-out accuracy {:.1}%", h.value * 100.0);
+                            }
+                        }
                         let trainer: Vec<&MetricRow> = rows.iter().filter(|r| r.name == "step_seconds").collect();
                         if trainer.is_empty() {
                             continue;
@@ -176,14 +193,19 @@ impl Watcher {
                             .iter()
                             .filter_map(|(k, v)| k.strip_prefix("staleness_").map(|s| format!("{s}:{v}")))
                             .collect();
+                        let heldout = e.get("heldout_accuracy").copied();
+                        if let Some(h) = heldout {
+                            summary.heldout.insert(step, h);
+                        }
                         if quiet {
                             continue;
                         }
                         eprintln!(
-                            "step {step:>4}{} reward {:.3} loss {:+.4} entropy {:.3} kl {:.4} masked {:.3}/{:.3} trained {:>3}/{:<3} staleness [{}] {:.2} s/step {:.0} s",
+                            "step {step:>4}{} reward {:.3} loss {:+.4} entropy {:.3} kl {:.4} masked {:.3}/{:.3} trained {:>3}/{:<3} staleness [{}] {:.2} s/step {:.0} s{}",
                             max_steps.map(|m| format!("/{m}")).unwrap_or_default(),
                             g("reward_mean"), g("loss"), g("entropy"), g("mismatch_kl"), g("masked_low"), g("masked_high"),
-                            g("samples_trained"), g("samples"), stale.join(" "), g("step_seconds"), t0.elapsed().as_secs_f64()
+                            g("samples_trained"), g("samples"), stale.join(" "), g("step_seconds"), t0.elapsed().as_secs_f64(),
+                            heldout.map(|h| format!(" held-out {:.1}%", h * 100.0)).unwrap_or_default()
                         );
                     }
                 }

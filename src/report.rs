@@ -29,7 +29,14 @@ struct Chart {
     bars: bool,
 }
 
-const CHARTS: [Chart; 6] = [
+const CHARTS: [Chart; 7] = [
+    Chart {
+        file: "heldout.svg",
+        title: "Held-out greedy accuracy per policy version (trainer eval_every)",
+        sql: "SELECT name AS series, step AS x, value AS y FROM metrics \
+              WHERE stage = 'trainer' AND (name = 'heldout_accuracy' OR name LIKE 'heldout/%') ORDER BY name, step",
+        bars: false,
+    },
     Chart {
         file: "reward.svg",
         title: "Mean reward per step (trainer batch)",

@@ -9,10 +9,8 @@ use candle_core::Device;
 use clap::Args;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use streamrl_envs::rubric::ScoreInput;
 use streamrl_envs::{Environment, Split};
 use streamrl_model::chat::ChatTemplate;
-use streamrl_model::engine::{Engine, EngineConfig, SamplingParams};
 use streamrl_model::optim::LrSchedule;
 use streamrl_model::{Tokenizer, checkpoint, config};
 use streamrl_stages::train::{Learner, LossConfig, TrainConfig, TrainSample};
@@ -207,101 +205,16 @@ pub struct EvalArgs {
     json: bool,
 }
 
-/// Accuracy numbers of one checkpoint.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct EvalReport {
-    /// Problems.
-    pub n: usize,
-    /// Fraction solved greedily (reward ≥ 1).
-    pub greedy_accuracy: f64,
-    /// Mean greedy reward.
-    pub greedy_reward: f64,
-    /// k of pass@k.
-    pub k: usize,
-    /// Fraction with at least one of k samples correct.
-    pub pass_at_k: Option<f64>,
-    /// Mean reward over the k samples (pass@1 estimate at temperature 1).
-    pub sampled_accuracy: Option<f64>,
-    /// Seconds.
-    pub seconds: f64,
-}
+pub use streamrl_stages::eval::EvalReport;
 
 /// Evaluates a checkpoint on an environment's held-out split.
 pub fn evaluate(env: &dyn Environment, dir: &Path, n: usize, k: usize, max_tokens: usize) -> Result<EvalReport> {
-    if env.needs_sandbox() {
-        bail!(
-            "`streamrl eval` scores without a sandbox; environment `{}` needs one (evaluate it through the pipeline)",
-            env.name()
-        );
-    }
-    let t0 = Instant::now();
     let template = ChatTemplate::for_checkpoint(dir)?;
     let l = checkpoint::load(dir, &Device::Cpu)?;
     let tok = l
         .tokenizer
         .ok_or_else(|| anyhow!("{} has no tokenizer.json", dir.display()))?;
-    let mut engine = Engine::new(
-        l.model,
-        0,
-        Some(tok.clone()),
-        EngineConfig {
-            max_num_seqs: 128,
-            ..Default::default()
-        },
-    );
-    let problems: Vec<_> = (0..n as u64).map(|i| env.sample(Split::Eval, i)).collect();
-    let correct = |p: &streamrl_envs::Problem, text: &str| {
-        let parsed = env.parse_answer(text);
-        env.rubric()
-            .score(&ScoreInput {
-                problem: p,
-                completion: text,
-                parsed: parsed.as_deref(),
-                exec: None,
-            })
-            .reward
-    };
-    let mut ids = std::collections::HashMap::new();
-    for (i, p) in problems.iter().enumerate() {
-        let prompt = tok.encode(&streamrl_stages::render_prompt(&template, &env.prompt(p))?)?;
-        let greedy = SamplingParams {
-            temperature: 0.0,
-            max_tokens,
-            ..Default::default()
-        };
-        ids.insert(engine.add(prompt.clone(), greedy)?, (i, usize::MAX));
-        for j in 0..k {
-            let sampled = SamplingParams {
-                temperature: 1.0,
-                max_tokens,
-                seed: (i * 1000 + j) as u64,
-                ..Default::default()
-            };
-            ids.insert(engine.add(prompt.clone(), sampled)?, (i, j));
-        }
-    }
-    let mut greedy = vec![0f32; n];
-    let mut sampled = vec![vec![0f32; k]; n];
-    for o in engine.run_to_completion()? {
-        let (i, j) = ids[&o.id];
-        let r = correct(&problems[i], &o.text);
-        if j == usize::MAX {
-            greedy[i] = r;
-        } else {
-            sampled[i][j] = r;
-        }
-    }
-    let nf = n.max(1) as f64;
-    Ok(EvalReport {
-        n,
-        greedy_accuracy: greedy.iter().filter(|r| **r >= 1.0).count() as f64 / nf,
-        greedy_reward: greedy.iter().map(|r| *r as f64).sum::<f64>() / nf,
-        k,
-        pass_at_k: (k > 0).then(|| sampled.iter().filter(|s| s.iter().any(|r| *r >= 1.0)).count() as f64 / nf),
-        sampled_accuracy: (k > 0)
-            .then(|| sampled.iter().flatten().filter(|r| **r >= 1.0).count() as f64 / (nf * k as f64)),
-        seconds: t0.elapsed().as_secs_f64(),
-    })
+    streamrl_stages::eval::evaluate(env, l.model, &tok, &template, n, k, max_tokens).map_err(|e| anyhow!("{e}"))
 }
 
 /// Runs `streamrl eval`.

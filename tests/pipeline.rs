@@ -55,7 +55,7 @@ stages:
     kind: trainer
     inputs: [samples]
     outputs: [policy, metrics]
-    config: { checkpoint: run/sft, groups_per_step: 2, max_steps: 3, keep_last: 2 }
+    config: { checkpoint: run/sft, groups_per_step: 2, max_steps: 3, keep_last: 2, eval_every: 1, eval_problems: 20 }
   archive: { kind: archive, inputs: all, config: { flush_rows: 100, flush_seconds: 1 } }
 "#;
 
@@ -111,12 +111,19 @@ fn run_warm_starts_then_trains_through_every_stage_and_archives_the_lineage() {
         q("SELECT DISTINCT step FROM metrics WHERE stage = 'trainer' AND name = 'loss' ORDER BY step"),
         ["1", "2", "3"]
     );
+    // Held-out accuracy was measured for versions 0..=3.
+    assert_eq!(
+        q("SELECT step FROM metrics WHERE name = 'heldout_accuracy' ORDER BY step"),
+        ["0", "1", "2", "3"]
+    );
+    assert!(err.contains("step    0 held-out accuracy"), "{err}");
     // The report: plots from the archive, an HTML page showing them.
     let (ok, out, err) = streamrl(dir.path(), &["report", "--run", "run"]);
     assert!(ok && out.contains("index.html"), "{out}{err}");
     let report = dir.path().join("run/report");
     let html = std::fs::read_to_string(report.join("index.html")).unwrap();
     for svg in [
+        "heldout.svg",
         "reward.svg",
         "loss.svg",
         "masking.svg",
@@ -154,7 +161,10 @@ fn run_trains_on_multi_turn_tool_trajectories_executed_in_sandboxes() {
         )
         .replace("max_steps: 3, max_tokens: 8 }", "max_steps: 2, max_tokens: 48, temperature: 0.7 }")
         .replace("config: { checkpoint: run/sft, max_inflight_groups: 2 }", "config: { checkpoint: run/sft, max_inflight_groups: 2, turn_max_tokens: 32 }")
-        .replace("groups_per_step: 2, max_steps: 3, keep_last: 2 }", "groups_per_step: 2, max_steps: 2, keep_last: 2, train: { temperature: 0.7 } }");
+        .replace(
+            "groups_per_step: 2, max_steps: 3, keep_last: 2, eval_every: 1, eval_problems: 20 }",
+            "groups_per_step: 2, max_steps: 2, keep_last: 2, train: { temperature: 0.7 } }",
+        );
     assert!(
         topology.contains("env: tool")
             && topology.contains("turn_max_tokens")

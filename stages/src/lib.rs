@@ -15,6 +15,7 @@
 //! module has its config struct (documented fields, `problems()` listing every invalid
 //! value) next to its logic.
 
+pub mod eval;
 pub mod mask;
 pub mod remote;
 pub mod reward;

@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
+use streamrl_model::chat::ChatTemplate;
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
 use streamrl_schemas::{PolicyRow, SampleRow, SchemaId, TopicRow};
 
@@ -49,6 +50,14 @@ pub struct TrainerConfig {
     pub step_timeout_secs: u64,
     /// Loss, optimizer, learning rate and packing.
     pub train: TrainConfig,
+    /// Measure held-out greedy accuracy every this many versions (and at version 0), on
+    /// the first `eval_problems` eval-split problems of each environment that needs no
+    /// sandbox; published as `heldout_accuracy` (mean) and `heldout/<env>` metrics. 0: off.
+    pub eval_every: u64,
+    /// Held-out problems per environment for `eval_every`.
+    pub eval_problems: usize,
+    /// Completion tokens at most in the held-out evaluation.
+    pub eval_max_tokens: usize,
 }
 
 impl Default for TrainerConfig {
@@ -62,6 +71,9 @@ impl Default for TrainerConfig {
             keep_every: 0,
             step_timeout_secs: 300,
             train: TrainConfig::default(),
+            eval_every: 0,
+            eval_problems: 200,
+            eval_max_tokens: 16,
         }
     }
 }
@@ -108,6 +120,8 @@ pub struct TrainerStage {
     waiting_since: Option<std::time::Instant>,
     duplicates: u64,
     missing: u64,
+    /// The chat template prompts are rendered with (held-out evaluation).
+    template: ChatTemplate,
 }
 
 impl std::fmt::Debug for TrainerStage {
@@ -161,6 +175,7 @@ impl TrainerStage {
         let learner =
             Learner::load(&dir, cfg.train.clone()).map_err(|e| vec![format!("checkpoint {}: {e}", dir.display())])?;
         let sha = streamrl_model::checkpoint::weights_sha256(&dir).map_err(|e| vec![e.to_string()])?;
+        let template = ChatTemplate::for_checkpoint(&cfg.checkpoint).map_err(|e| vec![format!("checkpoint: {e}")])?;
         let current = PolicyRow {
             run_id: ctx.run_id.clone(),
             version: state.version as u32,
@@ -183,6 +198,7 @@ impl TrainerStage {
             waiting_since: None,
             duplicates: 0,
             missing: 0,
+            template,
         })
     }
 
@@ -327,6 +343,9 @@ impl TrainerStage {
         for (k, c) in &staleness {
             m.push((format!("staleness_{k}"), *c as f64));
         }
+        if self.cfg.eval_every > 0 && self.version.is_multiple_of(self.cfg.eval_every) {
+            m.extend(self.heldout());
+        }
         let refs: Vec<(&str, f64)> = m.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         if let Some((t, b)) = self.ctx.metrics(self.version, &refs) {
             out.emit(t, b);
@@ -334,6 +353,39 @@ impl TrainerStage {
         tracing::debug!(stage = %self.ctx.instance(), version = self.version, loss = report.loss, reward = reward_mean,
             trained = train.len(), stale, seconds = report.seconds, "step");
         Ok(())
+    }
+
+    /// Held-out greedy accuracy of the current weights, per environment and on average.
+    fn heldout(&self) -> Vec<(String, f64)> {
+        let (Some(envs), Some(tok)) = (self.ctx.envs.as_ref(), self.learner.tokenizer.as_ref()) else {
+            return vec![];
+        };
+        let template = self.template.clone();
+        let mut out = Vec::new();
+        for (env, _) in envs.iter().filter(|(e, _)| !e.needs_sandbox()) {
+            let r = compute(|| {
+                crate::eval::evaluate(
+                    env,
+                    self.learner.model.clone(),
+                    tok,
+                    &template,
+                    self.cfg.eval_problems,
+                    0,
+                    self.cfg.eval_max_tokens,
+                )
+            });
+            match r {
+                Ok(r) => out.push((format!("heldout/{}", env.name()), r.greedy_accuracy)),
+                Err(e) => {
+                    tracing::warn!(stage = %self.ctx.instance(), env = env.name(), error = %e, "held-out evaluation failed")
+                }
+            }
+        }
+        if !out.is_empty() {
+            let mean = out.iter().map(|(_, v)| v).sum::<f64>() / out.len() as f64;
+            out.push(("heldout_accuracy".into(), mean));
+        }
+        out
     }
 
     fn save(&self, dir: &Path) -> Result<String, String> {
@@ -380,7 +432,15 @@ impl TrainerStage {
 impl Stage for TrainerStage {
     async fn start(&mut self, out: &mut Emitter) -> Result<(), StageError> {
         // Announce the version serving now (a resumed trainer's newest checkpoint).
-        self.publish(out)
+        self.publish(out)?;
+        if self.cfg.eval_every > 0 && self.version == 0 {
+            let m = self.heldout();
+            let refs: Vec<(&str, f64)> = m.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+            if let Some((t, b)) = self.ctx.metrics(0, &refs) {
+                out.emit(t, b);
+            }
+        }
+        Ok(())
     }
 
     async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
