@@ -9,6 +9,7 @@ mod bench_async;
 mod bench_sandbox;
 mod bench_train;
 mod model_cmd;
+mod plot;
 mod progress;
 mod report;
 mod sandbox_cmd;

@@ -1,5 +1,6 @@
 //! `streamrl report --run DIR`: plots of a run computed from its archive with SQL, written
-//! as standalone SVG files plus an HTML page that shows them with the queries behind them.
+//! as standalone SVG and PNG files plus an HTML page that shows them with the queries
+//! behind them.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -9,6 +10,8 @@ use arrow::array::{Array, AsArray};
 use arrow::datatypes::{DataType, Float64Type};
 use clap::Args;
 use streamrl_archive::Sql;
+
+use crate::plot::{Scene, Shape};
 
 /// `streamrl report` arguments.
 #[derive(Args, Debug)]
@@ -110,28 +113,30 @@ async fn series(sql: &Sql, query: &str) -> Result<Series> {
 
 const COLORS: [&str; 4] = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
 
-/// A self-contained SVG line (or bar) chart with axes, ticks and a legend.
-fn svg(title: &str, data: &Series, bars: bool) -> String {
+/// A line (or bar) chart with axes, ticks and a legend, as shapes for SVG and PNG.
+fn chart(title: &str, data: &Series, bars: bool) -> Scene {
     let (w, h, l, r, t, b) = (720.0, 360.0, 70.0, 20.0, 40.0, 50.0);
     let pts: Vec<(f64, f64)> = data
         .iter()
         .flat_map(|(_, v)| v.iter().copied())
         .filter(|p| p.1.is_finite())
         .collect();
-    let mut s = String::new();
-    let _ = write!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12"><rect width="100%" height="100%" fill="white"/><text x="{}" y="22" font-size="14" text-anchor="middle">{}</text>"#,
-        w / 2.0,
-        xml(title)
-    );
+    let mut s = Scene::new(w, h);
+    s.push(Shape::Text {
+        x: w / 2.0,
+        y: 22.0,
+        size: 14.0,
+        anchor: "middle",
+        text: title.to_string(),
+    });
     if pts.is_empty() {
-        let _ = write!(
-            s,
-            r#"<text x="{}" y="{}" text-anchor="middle">no data</text></svg>"#,
-            w / 2.0,
-            h / 2.0
-        );
+        s.push(Shape::Text {
+            x: w / 2.0,
+            y: h / 2.0,
+            size: 12.0,
+            anchor: "middle",
+            text: "no data".into(),
+        });
         return s;
     }
     let (mut x0, mut x1) = pts
@@ -153,66 +158,87 @@ fn svg(title: &str, data: &Series, bars: bool) -> String {
     }
     let sx = |x: f64| l + (x - x0) / (x1 - x0) * (w - l - r);
     let sy = |y: f64| h - b - (y - y0) / (y1 - y0) * (h - t - b);
-    let _ = write!(
-        s,
-        r#"<line x1="{l}" y1="{}" x2="{}" y2="{}" stroke="black"/><line x1="{l}" y1="{t}" x2="{l}" y2="{}" stroke="black"/>"#,
-        h - b,
-        w - r,
-        h - b,
-        h - b
-    );
     for i in 0..=4 {
         let (fx, fy) = (x0 + (x1 - x0) * i as f64 / 4.0, y0 + (y1 - y0) * i as f64 / 4.0);
-        let _ = write!(
-            s,
-            r##"<text x="{:.1}" y="{}" text-anchor="middle">{}</text><text x="{}" y="{:.1}" text-anchor="end">{}</text><line x1="{l}" y1="{:.1}" x2="{}" y2="{:.1}" stroke="#ddd"/>"##,
-            sx(fx),
-            h - b + 18.0,
-            tick(fx),
-            l - 6.0,
-            sy(fy) + 4.0,
-            tick(fy),
-            sy(fy),
-            w - r,
-            sy(fy)
-        );
+        s.push(Shape::Line {
+            x1: l,
+            y1: sy(fy),
+            x2: w - r,
+            y2: sy(fy),
+            color: "#ddd",
+            width: 1.0,
+        });
+        s.push(Shape::Text {
+            x: sx(fx),
+            y: h - b + 18.0,
+            size: 12.0,
+            anchor: "middle",
+            text: tick(fx),
+        });
+        s.push(Shape::Text {
+            x: l - 6.0,
+            y: sy(fy) + 4.0,
+            size: 12.0,
+            anchor: "end",
+            text: tick(fy),
+        });
     }
+    s.push(Shape::Line {
+        x1: l,
+        y1: h - b,
+        x2: w - r,
+        y2: h - b,
+        color: "#000",
+        width: 1.0,
+    });
+    s.push(Shape::Line {
+        x1: l,
+        y1: t,
+        x2: l,
+        y2: h - b,
+        color: "#000",
+        width: 1.0,
+    });
     for (k, (name, v)) in data.iter().enumerate() {
         let color = COLORS[k % COLORS.len()];
         if bars {
             let bw = ((w - l - r) / (x1 - x0) * 0.8).max(1.0);
             for &(x, y) in v.iter().filter(|p| p.1.is_finite()) {
-                let _ = write!(
-                    s,
-                    r#"<rect x="{:.1}" y="{:.1}" width="{bw:.1}" height="{:.1}" fill="{color}"/>"#,
-                    sx(x) - bw / 2.0,
-                    sy(y),
-                    (sy(y0) - sy(y)).max(0.0)
-                );
+                s.push(Shape::Rect {
+                    x: sx(x) - bw / 2.0,
+                    y: sy(y),
+                    w: bw,
+                    h: (sy(y0) - sy(y)).max(0.0),
+                    color,
+                });
             }
         } else {
-            let path: Vec<String> = v
+            let points = v
                 .iter()
                 .filter(|p| p.1.is_finite())
-                .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
+                .map(|&(x, y)| (sx(x), sy(y)))
                 .collect();
-            let _ = write!(
-                s,
-                r#"<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{}"/>"#,
-                path.join(" ")
-            );
+            s.push(Shape::Polyline {
+                points,
+                color,
+                width: 1.5,
+            });
         }
-        let _ = write!(
-            s,
-            r#"<rect x="{}" y="{}" width="10" height="10" fill="{color}"/><text x="{}" y="{}">{}</text>"#,
-            l + 10.0 + 150.0 * k as f64,
-            t - 8.0,
-            l + 24.0 + 150.0 * k as f64,
-            t + 1.0,
-            xml(name)
-        );
+        s.push(Shape::Rect {
+            x: l + 10.0 + 150.0 * k as f64,
+            y: t - 8.0,
+            w: 10.0,
+            h: 10.0,
+            color,
+        });
+        s.push(Shape::Text {
+            x: l + 24.0 + 150.0 * k as f64,
+            y: t + 1.0,
+            size: 12.0,
+            anchor: "start",
+            text: name.clone(),
+        });
     }
-    s.push_str("</svg>");
     s
 }
 
@@ -253,10 +279,13 @@ pub async fn report(a: ReportArgs) -> Result<PathBuf> {
                 .await
                 .with_context(|| format!("query for {}", c.file))?
         };
-        write_file(&out.join(c.file), &svg(c.title, &data, c.bars))?;
+        let scene = chart(c.title, &data, c.bars);
+        write_file(&out.join(c.file), &scene.to_svg())?;
+        let png = c.file.replace(".svg", ".png");
+        std::fs::write(out.join(&png), scene.to_png()).with_context(|| format!("writing {png}"))?;
         let _ = write!(
             html,
-            "<h2>{}</h2><img src=\"{}\" alt=\"{}\"><pre>{}</pre>",
+            "<h2>{}</h2><img src=\"{}\" alt=\"{}\"><p><a href=\"{png}\">PNG</a></p><pre>{}</pre>",
             xml(c.title),
             c.file,
             xml(c.title),

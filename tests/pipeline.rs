@@ -132,6 +132,11 @@ fn run_warm_starts_then_trains_through_every_stage_and_archives_the_lineage() {
         "lag.svg",
     ] {
         assert!(html.contains(svg), "{svg} not on the page");
+        let png = std::fs::read(report.join(svg.replace(".svg", ".png"))).unwrap();
+        assert!(
+            png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 720 * 360 * 3,
+            "{svg}: no PNG beside it"
+        );
         let text = std::fs::read_to_string(report.join(svg)).unwrap();
         assert!(text.starts_with("<svg") && text.ends_with("</svg>"), "{svg}");
         assert!(
