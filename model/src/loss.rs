@@ -9,19 +9,25 @@ use candle_core::Tensor;
 
 use crate::{Error, Result};
 
-/// Which objective to optimise.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// Which objective to optimise; in configuration files written as
+/// `{kind: masked_is, low: 0.5, high: 5.0}` (missing masked-IS fields take the defaults).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum LossKind {
     /// Double-sided masked importance sampling (IcePop-style; the default): tokens with
     /// ratio outside `[low, high]` are dropped, not clipped.
     MaskedIs {
         /// Lower ratio bound (INTELLECT-3: 0.5).
+        #[serde(default = "default_low")]
         low: f32,
         /// Upper ratio bound (INTELLECT-3: 5.0).
+        #[serde(default = "default_high")]
         high: f32,
         /// Drop a whole sample whose smallest ratio is below this.
+        #[serde(default)]
         seq_low: Option<f32>,
         /// Weight of the `(log r)²` penalty (0: off).
+        #[serde(default)]
         kl_tau: f32,
     },
     /// PPO/GRPO clipped surrogate; DAPO's asymmetric clip with `eps_low != eps_high`.
@@ -45,6 +51,14 @@ pub enum LossKind {
     },
     /// Supervised cross-entropy on trainable tokens.
     Sft,
+}
+
+fn default_low() -> f32 {
+    0.5
+}
+
+fn default_high() -> f32 {
+    5.0
 }
 
 impl Default for LossKind {
@@ -248,6 +262,34 @@ pub fn compute(kind: LossKind, x: LossInputs<'_>) -> Result<(Tensor, LossMetrics
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn loss_kinds_read_from_configuration_with_defaults() {
+        let k: LossKind = serde_json::from_str(r#"{"kind": "masked_is"}"#).unwrap();
+        assert_eq!(k, LossKind::default());
+        let k: LossKind = serde_json::from_str(r#"{"kind": "masked_is", "high": 4.0, "seq_low": 0.1}"#).unwrap();
+        assert_eq!(
+            k,
+            LossKind::MaskedIs {
+                low: 0.5,
+                high: 4.0,
+                seq_low: Some(0.1),
+                kl_tau: 0.0
+            }
+        );
+        let k: LossKind = serde_json::from_str(r#"{"kind": "clipped", "eps_low": 0.2, "eps_high": 0.28}"#).unwrap();
+        assert_eq!(
+            k,
+            LossKind::Clipped {
+                eps_low: 0.2,
+                eps_high: 0.28
+            }
+        );
+        let e = serde_json::from_str::<LossKind>(r#"{"kind": "tis", "cap": 2.0, "clip": 1}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `clip`"), "{e}");
+        assert!(serde_json::from_str::<LossKind>(r#"{"kind": "ppo"}"#).is_err());
+    }
+
     use super::*;
     use candle_core::{Device, Var};
 

@@ -14,87 +14,9 @@ use streamrl_model::loss::{self, LossInputs, LossKind};
 use streamrl_model::optim::{LrSchedule, Optimizer, OptimizerConfig};
 use streamrl_model::{Packed, Tokenizer, Transformer, checkpoint, masked_entropy, token_logprobs};
 
-/// The objective, as written in topology.yaml (`loss: {kind: masked_is, low: 0.5, ...}`).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum LossConfig {
-    /// Double-sided masked importance sampling (the default).
-    MaskedIs {
-        /// Lower ratio bound.
-        #[serde(default = "d_low")]
-        low: f32,
-        /// Upper ratio bound.
-        #[serde(default = "d_high")]
-        high: f32,
-        /// Drop a sample whose smallest token ratio is below this.
-        #[serde(default)]
-        seq_low: Option<f32>,
-        /// Weight of the `(log r)²` penalty.
-        #[serde(default)]
-        kl_tau: f32,
-    },
-    /// PPO/GRPO clipped surrogate (DAPO with eps_low != eps_high).
-    Clipped {
-        /// 1 − eps_low clip.
-        eps_low: f32,
-        /// 1 + eps_high clip.
-        eps_high: f32,
-    },
-    /// GSPO: sequence-level ratio.
-    Gspo {
-        /// 1 − eps_low clip.
-        eps_low: f32,
-        /// 1 + eps_high clip.
-        eps_high: f32,
-    },
-    /// Truncated importance sampling.
-    Tis {
-        /// Truncation cap.
-        cap: f32,
-    },
-    /// Cross-entropy (SFT).
-    Sft,
-}
-
-fn d_low() -> f32 {
-    0.5
-}
-fn d_high() -> f32 {
-    5.0
-}
-
-impl Default for LossConfig {
-    fn default() -> Self {
-        LossConfig::MaskedIs {
-            low: 0.5,
-            high: 5.0,
-            seq_low: None,
-            kl_tau: 0.0,
-        }
-    }
-}
-
-impl From<LossConfig> for LossKind {
-    fn from(c: LossConfig) -> LossKind {
-        match c {
-            LossConfig::MaskedIs {
-                low,
-                high,
-                seq_low,
-                kl_tau,
-            } => LossKind::MaskedIs {
-                low,
-                high,
-                seq_low,
-                kl_tau,
-            },
-            LossConfig::Clipped { eps_low, eps_high } => LossKind::Clipped { eps_low, eps_high },
-            LossConfig::Gspo { eps_low, eps_high } => LossKind::Gspo { eps_low, eps_high },
-            LossConfig::Tis { cap } => LossKind::Tis { cap },
-            LossConfig::Sft => LossKind::Sft,
-        }
-    }
-}
+/// The objective, as written in topology.yaml (`loss: {kind: masked_is, low: 0.5, ...}`):
+/// the model crate's [`LossKind`], which carries its own serde form and defaults.
+pub type LossConfig = LossKind;
 
 /// How to train.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -285,7 +207,7 @@ impl Learner {
     /// accumulated, normalised by the batch's trainable tokens.
     pub fn step(&mut self, samples: &[TrainSample]) -> streamrl_model::Result<StepReport> {
         let t0 = Instant::now();
-        let kind: LossKind = self.cfg.loss.into();
+        let kind: LossKind = self.cfg.loss;
         let ctx = self.model.config().max_positions;
         for (i, s) in samples.iter().enumerate() {
             if s.len() > ctx || s.loss_mask.len() != s.completion.len() {
