@@ -58,6 +58,9 @@ pub enum Which {
         /// The interpreter (the same path inside the sandbox and on the host).
         #[arg(long, default_value = "/usr/bin/python3")]
         python: String,
+        /// Alternating rounds per concurrency (each column reports the median).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
     },
     /// Memory bus rows/s (vs an mpsc channel) and, with --kafka, Kafka MB/s (vs raw rdkafka).
     Bus {
@@ -89,7 +92,8 @@ pub async fn run(which: Which) -> Result<()> {
             concurrency,
             pool_size,
             python,
-        } => crate::bench_sandbox::run(n, concurrency, pool_size, python),
+            rounds,
+        } => crate::bench_sandbox::run(n, concurrency, pool_size, python, rounds.max(1)),
         Which::Generate { tokens } => crate::bench_train::generate(tokens),
         Which::Bus {
             kafka,

@@ -18,6 +18,20 @@ struct Run {
     per_sec: f64,
 }
 
+/// Each column's median over rounds.
+fn median_run(runs: &[Run]) -> Run {
+    let med = |f: fn(&Run) -> f64| {
+        let mut v: Vec<f64> = runs.iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Run {
+        p50: med(|r| r.p50),
+        p99: med(|r| r.p99),
+        per_sec: med(|r| r.per_sec),
+    }
+}
+
 /// Runs `n` calls of `f` on `conc` threads; latencies in ms.
 fn measure(n: usize, conc: usize, f: Arc<dyn Fn() -> Result<()> + Send + Sync>) -> Result<Run> {
     let started = Instant::now();
@@ -49,7 +63,7 @@ fn measure(n: usize, conc: usize, f: Arc<dyn Fn() -> Result<()> + Send + Sync>) 
     })
 }
 
-pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String) -> Result<()> {
+pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String, rounds: usize) -> Result<()> {
     let pool = Arc::new(Pool::new(SandboxConfig {
         pool_size,
         ..SandboxConfig::default()
@@ -59,40 +73,48 @@ pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String) 
     if check.status != ExecStatus::Ok || check.stdout != "1\n" {
         bail!("the sandboxed command does not work: {check:?}");
     }
-    println!("streamrl bench sandbox: `{python} -c \"print(1)\"`, {n} execs per row, pool of {pool_size}");
+    println!(
+        "streamrl bench sandbox: `{python} -c \"print(1)\"`, {n} execs per round, median of {rounds} alternating rounds, pool of {pool_size}"
+    );
     println!(
         "{:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10}",
         "concurrency", "sbx p50 ms", "bare p50", "sbx p99 ms", "bare p99", "sbx exec/s", "bare ex/s", "p50 +ms"
     );
     for conc in concurrency {
-        let a = argv.clone();
-        let bare = measure(
-            n,
-            conc,
-            Arc::new(move || {
-                let out = std::process::Command::new(&a[0]).args(&a[1..]).output()?;
-                if out.stdout != b"1\n" {
-                    bail!("bare run printed {:?}", String::from_utf8_lossy(&out.stdout));
-                }
-                Ok(())
-            }),
-        )?;
-        // Let the pool refill before the sandbox half.
-        while pool.ready() < pool_size {
-            std::thread::sleep(std::time::Duration::from_millis(10));
+        // Alternating rounds, the median of each column: at high concurrency one round's
+        // p50 is mostly the scheduler's mood on a small machine.
+        let (mut bare_runs, mut sbx_runs) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            let a = argv.clone();
+            bare_runs.push(measure(
+                n,
+                conc,
+                Arc::new(move || {
+                    let out = std::process::Command::new(&a[0]).args(&a[1..]).output()?;
+                    if out.stdout != b"1\n" {
+                        bail!("bare run printed {:?}", String::from_utf8_lossy(&out.stdout));
+                    }
+                    Ok(())
+                }),
+            )?);
+            // Let the pool refill before the sandbox half.
+            while pool.ready() < pool_size {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            let (p, a) = (pool.clone(), argv.clone());
+            sbx_runs.push(measure(
+                n,
+                conc,
+                Arc::new(move || {
+                    let r = p.exec(&ExecRequest::new(a.clone()));
+                    if r.status != ExecStatus::Ok {
+                        bail!("sandboxed run: {r:?}");
+                    }
+                    Ok(())
+                }),
+            )?);
         }
-        let (p, a) = (pool.clone(), argv.clone());
-        let sbx = measure(
-            n,
-            conc,
-            Arc::new(move || {
-                let r = p.exec(&ExecRequest::new(a.clone()));
-                if r.status != ExecStatus::Ok {
-                    bail!("sandboxed run: {r:?}");
-                }
-                Ok(())
-            }),
-        )?;
+        let (bare, sbx) = (median_run(&bare_runs), median_run(&sbx_runs));
         println!(
             "{:<12} {:>11.2} {:>11.2} {:>11.2} {:>11.2} {:>11.1} {:>11.1} {:>+10.2}",
             conc,

@@ -20,6 +20,10 @@ pub(crate) struct Cgroups {
     /// v1: one directory per controller; v2: one directory.
     dirs: Vec<PathBuf>,
     v2: bool,
+    /// The memory and process limits written last (rewritten only when they change).
+    applied: Option<(u64, u64)>,
+    /// OOM kills counted after the last command.
+    ooms: u64,
 }
 
 impl Cgroups {
@@ -46,6 +50,7 @@ impl Cgroups {
             return Err("no cgroup v1 memory/pids or cgroup v2 hierarchy under /sys/fs/cgroup".into());
         }
         cg.set_limits(limits)?;
+        cg.applied = Some((limits.memory_bytes, limits.processes));
         Ok(cg)
     }
 
@@ -55,6 +60,18 @@ impl Cgroups {
         } else {
             self.dirs.get(v1_ctl).map(|d| d.join(v1))
         }
+    }
+
+    /// Applies a command's memory and process limits (when they differ from the ones in
+    /// place) and resets the peak-memory counter.
+    fn prepare(&mut self, l: &Limits) -> Result<(), String> {
+        if self.applied != Some((l.memory_bytes, l.processes)) {
+            self.set_limits(l)?;
+            self.applied = Some((l.memory_bytes, l.processes));
+        } else if !self.v2 {
+            let _ = std::fs::write(self.dirs[0].join("memory.max_usage_in_bytes"), "0");
+        }
+        Ok(())
     }
 
     fn set_limits(&self, l: &Limits) -> Result<(), String> {
@@ -288,21 +305,22 @@ impl Sandbox {
         if !errs.is_empty() {
             return ExecResult::internal_error(errs.join("; "));
         }
-        let oom_before = match &self.cgroups {
-            Some(cg) => {
-                if let Err(e) = cg.set_limits(&req.limits) {
-                    return ExecResult::internal_error(e);
-                }
-                cg.oom_kills()
-            }
-            None => 0,
-        };
+        if let Some(cg) = &mut self.cgroups
+            && let Err(e) = cg.prepare(&req.limits)
+        {
+            return ExecResult::internal_error(e);
+        }
         let deadline = Duration::from_millis(req.limits.wall_ms) + Duration::from_secs(5);
         self.uses += 1;
         match self.call(&Request::Exec(req.clone()), &req.stdin, deadline) {
             Ok((Response::Exec(raw), _)) => {
-                let (oom, peak) = match &self.cgroups {
-                    Some(cg) => (cg.oom_kills() > oom_before, cg.peak()),
+                let (oom, peak) = match &mut self.cgroups {
+                    Some(cg) => {
+                        let now = cg.oom_kills();
+                        let oom = now > cg.ooms;
+                        cg.ooms = now;
+                        (oom, cg.peak())
+                    }
                     None => (false, 0),
                 };
                 classify(raw, &req.limits, oom, peak)
