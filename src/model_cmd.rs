@@ -19,6 +19,20 @@ pub enum ModelCmd {
         /// Initialisation seed.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Architecture of the preset: qwen3 (q/k norm, the default), qwen2 (attention
+        /// bias), llama (untied head), or qwen3_moe (4 experts, top 2).
+        #[arg(long, default_value = "qwen3")]
+        model_type: String,
+    },
+    /// Print the logits of one token sequence as JSON (`{"logits": [[...], ...]}`, one
+    /// row per position): for cross-checks against other implementations.
+    Logits {
+        /// Checkpoint directory.
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// Comma-separated token ids.
+        #[arg(long, value_delimiter = ',')]
+        tokens: Vec<u32>,
     },
     /// Print a checkpoint's configuration and parameter count.
     Info {
@@ -29,9 +43,32 @@ pub enum ModelCmd {
 
 pub fn run(cmd: ModelCmd) -> Result<()> {
     match cmd {
-        ModelCmd::Init { preset, out, seed } => {
+        ModelCmd::Init {
+            preset,
+            out,
+            seed,
+            model_type,
+        } => {
             let tok = Tokenizer::char_level();
-            let hf = config::preset(&preset, tok.vocab_size())?;
+            let mut hf = config::preset(&preset, tok.vocab_size())?;
+            match model_type.as_str() {
+                "qwen3" => {}
+                "qwen2" => {
+                    hf.model_type = Some("qwen2".into());
+                }
+                "llama" => {
+                    hf.model_type = Some("llama".into());
+                    hf.tie_word_embeddings = false;
+                }
+                "qwen3_moe" => {
+                    hf.model_type = Some("qwen3_moe".into());
+                    hf.num_experts = Some(4);
+                    hf.num_experts_per_tok = Some(2);
+                    hf.moe_intermediate_size = Some(hf.intermediate_size / 2);
+                    hf.norm_topk_prob = Some(true);
+                }
+                other => anyhow::bail!("unknown --model-type `{other}` (qwen3, qwen2, llama, qwen3_moe)"),
+            }
             let loaded = checkpoint::init_seeded(&hf, &candle_core::Device::Cpu, Some(seed))?;
             let sha = checkpoint::save(&out, &hf, &loaded.vars, Some(&tok), None)
                 .with_context(|| format!("writing {}", out.display()))?;
@@ -41,6 +78,18 @@ pub fn run(cmd: ModelCmd) -> Result<()> {
                 parameters(&loaded.vars),
                 tok.vocab_size()
             );
+            Ok(())
+        }
+        ModelCmd::Logits {
+            checkpoint: dir,
+            tokens,
+        } => {
+            anyhow::ensure!(!tokens.is_empty(), "--tokens: give at least one token id");
+            let loaded = checkpoint::load(&dir, &candle_core::Device::Cpu)?;
+            let batch = streamrl_model::Packed::new(&[vec![tokens]], &candle_core::Device::Cpu)?;
+            let (logits, _) = loaded.model.forward(&batch)?;
+            let rows: Vec<Vec<f32>> = logits.squeeze(0)?.to_vec2()?;
+            println!("{}", serde_json::json!({ "logits": rows }));
             Ok(())
         }
         ModelCmd::Info { checkpoint: dir } => {

@@ -46,7 +46,7 @@ pub enum RopeLayout {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct HfConfig {
     /// `llama`, `qwen2`, `qwen3`, `qwen3_moe`, `mixtral`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_type: Option<String>,
     /// Vocabulary size.
     pub vocab_size: usize,
@@ -60,10 +60,10 @@ pub struct HfConfig {
     /// Query heads.
     pub num_attention_heads: usize,
     /// Key/value heads (grouped-query attention); defaults to the query heads.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_key_value_heads: Option<usize>,
     /// Per-head width; defaults to hidden_size / heads.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub head_dim: Option<usize>,
     /// RMSNorm epsilon.
     #[serde(default = "default_eps")]
@@ -78,34 +78,34 @@ pub struct HfConfig {
     #[serde(default)]
     pub tie_word_embeddings: bool,
     /// Biases on q/k/v (Qwen2 sets true).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_bias: Option<bool>,
     /// Experts per MoE layer (Qwen3-MoE `num_experts`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_experts: Option<usize>,
     /// Experts per MoE layer (Mixtral `num_local_experts`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_local_experts: Option<usize>,
     /// Experts each token uses.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_experts_per_tok: Option<usize>,
     /// Feed-forward width of one expert.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe_intermediate_size: Option<usize>,
     /// Whether top-k router weights are renormalised to sum to 1.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub norm_topk_prob: Option<bool>,
     /// Width of the always-on shared expert (0/absent: none).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared_expert_intermediate_size: Option<usize>,
     /// Load-balance loss coefficient.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub router_aux_loss_coef: Option<f64>,
     /// streamrl extension: `softmax` (default) or `sigmoid` router scores.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub router_score: Option<RouterScore>,
     /// streamrl extension: `half_split` (HF default) or `interleaved` RoPE.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_layout: Option<RopeLayout>,
     /// Every other key, preserved on save.
     #[serde(flatten)]
