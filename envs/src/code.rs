@@ -57,8 +57,7 @@ struct Row {
 #[derive(Debug)]
 pub struct Code {
     cfg: CodeConfig,
-    train: Vec<Problem>,
-    eval: Vec<Problem>,
+    splits: crate::dataset::Splits,
     rubric: Rubric,
 }
 
@@ -126,14 +125,7 @@ impl Code {
         if !errs.is_empty() {
             return Err(errs);
         }
-        let (mut train, mut eval) = (Vec::new(), Vec::new());
-        for (i, p) in all.into_iter().enumerate() {
-            if i % cfg.eval_every == cfg.eval_every - 1 {
-                eval.push(p)
-            } else {
-                train.push(p)
-            }
-        }
+        let splits = crate::dataset::Splits::new(all, cfg.eval_every);
         let rubric = Rubric::new().with("tests", 1.0, |i| {
             let e = i.exec.ok_or("no sandbox result for this sample")?;
             match e.status.as_str() {
@@ -151,12 +143,7 @@ impl Code {
                 )),
             }
         });
-        Ok(Code {
-            cfg,
-            train,
-            eval,
-            rubric,
-        })
+        Ok(Code { cfg, splits, rubric })
     }
 }
 
@@ -184,16 +171,11 @@ impl Environment for Code {
     }
 
     fn sample(&self, split: Split, seed: u64) -> Problem {
-        let pool = if split == Split::Eval { &self.eval } else { &self.train };
-        pool[(seed % pool.len() as u64) as usize].clone()
+        self.splits.sample(split, seed)
     }
 
     fn split_len(&self, split: Split) -> Option<usize> {
-        Some(if split == Split::Eval {
-            self.eval.len()
-        } else {
-            self.train.len()
-        })
+        Some(self.splits.len(split))
     }
 
     fn prompt(&self, p: &Problem) -> Prompt {

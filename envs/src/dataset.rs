@@ -4,6 +4,53 @@
 
 use std::path::Path;
 
+/// A finite dataset's problems, split into train and eval: every `eval_every`-th problem
+/// (by position) is held out.
+#[derive(Debug, Clone)]
+pub struct Splits {
+    train: Vec<crate::Problem>,
+    eval: Vec<crate::Problem>,
+}
+
+impl Splits {
+    /// Splits `all` (`eval_every` ≥ 2, checked by the caller).
+    pub fn new(all: Vec<crate::Problem>, eval_every: usize) -> Self {
+        let (mut train, mut eval) = (Vec::new(), Vec::new());
+        for (i, p) in all.into_iter().enumerate() {
+            if i % eval_every == eval_every - 1 {
+                eval.push(p)
+            } else {
+                train.push(p)
+            }
+        }
+        Splits { train, eval }
+    }
+
+    fn pool(&self, split: crate::Split) -> &[crate::Problem] {
+        if split == crate::Split::Eval {
+            &self.eval
+        } else {
+            &self.train
+        }
+    }
+
+    /// The problem `seed` picks from `split` (wrapping around).
+    pub fn sample(&self, split: crate::Split, seed: u64) -> crate::Problem {
+        let pool = self.pool(split);
+        pool[(seed % pool.len() as u64) as usize].clone()
+    }
+
+    /// Problems in `split`.
+    pub fn len(&self, split: crate::Split) -> usize {
+        self.pool(split).len()
+    }
+
+    /// Every problem of `split`.
+    pub fn problems(&self, split: crate::Split) -> &[crate::Problem] {
+        self.pool(split)
+    }
+}
+
 /// One record: its 1-based line (JSONL) or row (Parquet) number and its fields.
 pub type Record = (usize, serde_json::Value);
 

@@ -50,8 +50,7 @@ struct Row {
 #[derive(Debug)]
 pub struct Math {
     cfg: MathConfig,
-    train: Vec<Problem>,
-    eval: Vec<Problem>,
+    splits: crate::dataset::Splits,
     rubric: Rubric,
 }
 
@@ -82,14 +81,7 @@ impl Math {
         if !errs.is_empty() {
             return Err(errs);
         }
-        let (mut train, mut eval) = (Vec::new(), Vec::new());
-        for (i, p) in all.into_iter().enumerate() {
-            if i % cfg.eval_every == cfg.eval_every - 1 {
-                eval.push(p)
-            } else {
-                train.push(p)
-            }
-        }
+        let splits = crate::dataset::Splits::new(all, cfg.eval_every);
         let tol = cfg.tolerance;
         let mut rubric = Rubric::new().with("correct", 1.0, move |i| {
             let want = i.problem.answer.as_deref().ok_or("problem has no answer")?;
@@ -108,12 +100,7 @@ impl Math {
                 })
             });
         }
-        Ok(Math {
-            cfg,
-            train,
-            eval,
-            rubric,
-        })
+        Ok(Math { cfg, splits, rubric })
     }
 }
 
@@ -123,16 +110,11 @@ impl Environment for Math {
     }
 
     fn sample(&self, split: Split, seed: u64) -> Problem {
-        let pool = if split == Split::Eval { &self.eval } else { &self.train };
-        pool[(seed % pool.len() as u64) as usize].clone()
+        self.splits.sample(split, seed)
     }
 
     fn split_len(&self, split: Split) -> Option<usize> {
-        Some(if split == Split::Eval {
-            self.eval.len()
-        } else {
-            self.train.len()
-        })
+        Some(self.splits.len(split))
     }
 
     fn prompt(&self, p: &Problem) -> Prompt {
@@ -180,7 +162,15 @@ mod tests {
             ..Default::default()
         })
         .unwrap();
-        let p = |id: &str| env.train.iter().chain(&env.eval).find(|p| p.id == id).unwrap().clone();
+        let p = |id: &str| {
+            env.splits
+                .problems(Split::Train)
+                .iter()
+                .chain(env.splits.problems(Split::Eval))
+                .find(|p| p.id == id)
+                .unwrap()
+                .clone()
+        };
         assert_eq!(score(&env, &p("m1"), r"so \boxed{\dfrac{5}{6}}"), 1.1);
         assert_eq!(
             score(&env, &p("m1"), "it is 0.8333333333"),

@@ -126,6 +126,24 @@ fn parse_choice(
     })
 }
 
+/// POSTs a JSON body; the answer's bytes on a 2xx, else an error naming the URL, the
+/// status and the server's answer.
+async fn post_json(client: &reqwest::Client, url: &str, body: &Value) -> Result<Vec<u8>, String> {
+    let resp = client
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .map_err(|e| format!("POST {url}: {e}"))?;
+    let status = resp.status();
+    let bytes = resp.bytes().await.map_err(|e| format!("POST {url}: {e}"))?;
+    if !status.is_success() {
+        return Err(format!("POST {url}: {status}: {}", String::from_utf8_lossy(&bytes)));
+    }
+    Ok(bytes.to_vec())
+}
+
 impl RemoteEngine {
     /// A client for the server at `url`; `model` is sent as the request's model name.
     pub fn new(url: &str, model: Option<String>) -> Result<Self, String> {
@@ -189,18 +207,7 @@ impl RemoteEngine {
         self.tasks.spawn(async move {
             let started = now_ms();
             let r = async {
-                let resp = client
-                    .post(&url)
-                    .header("content-type", "application/json")
-                    .body(body.to_string())
-                    .send()
-                    .await
-                    .map_err(|e| format!("POST {url}: {e}"))?;
-                let status = resp.status();
-                let bytes = resp.bytes().await.map_err(|e| format!("POST {url}: {e}"))?;
-                if !status.is_success() {
-                    return Err(format!("POST {url}: {status}: {}", String::from_utf8_lossy(&bytes)));
-                }
+                let bytes = post_json(&client, &url, &body).await?;
                 let v: Value =
                     serde_json::from_slice(&bytes).map_err(|e| format!("POST {url}: the answer is not JSON: {e}"))?;
                 let c = v
@@ -231,19 +238,7 @@ impl RemoteEngine {
     pub async fn load_weights(&mut self, path: &std::path::Path, version: u32, sha256: &str) -> Result<(), String> {
         let url = format!("{}/v1/load_weights", self.base);
         let body = json!({"path": path, "version": version, "sha256": sha256});
-        let resp = self
-            .client
-            .post(&url)
-            .header("content-type", "application/json")
-            .body(body.to_string())
-            .send()
-            .await
-            .map_err(|e| format!("POST {url}: {e}"))?;
-        let status = resp.status();
-        let text = resp.text().await.unwrap_or_default();
-        if !status.is_success() {
-            return Err(format!("POST {url}: {status}: {text}"));
-        }
+        post_json(&self.client, &url, &body).await?;
         self.version = version;
         Ok(())
     }
