@@ -78,6 +78,11 @@ pub fn build(t: &Topology, name: &str, replica: u32) -> Result<Box<dyn Stage>> {
             run_dir: t.run_dir.clone(),
             stage: name.to_string(),
             replica,
+            inputs: decl
+                .inputs
+                .iter()
+                .filter_map(|o| t.topics.get(o).map(|d| (o.clone(), d.schema)))
+                .collect(),
             outputs: decl
                 .outputs
                 .iter()

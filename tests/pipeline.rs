@@ -38,9 +38,10 @@ topics:
 stages:
   source:
     kind: source
+    inputs: [scored]
     broadcast: [policy]
     outputs: [prompts, metrics]
-    config: { checkpoint: run/sft, group_size: 4, groups_per_step: 2, max_async_level: 1, max_steps: 3, max_tokens: 8 }
+    config: { checkpoint: run/sft, group_size: 4, groups_per_step: 2, max_async_level: 1, max_steps: 3, max_tokens: 8, difficulty: { hard_fraction: 0.5 } }
   rollout:
     kind: rollout
     inputs: [prompts, continuations]
@@ -111,6 +112,11 @@ fn run_warm_starts_then_trains_through_every_stage_and_archives_the_lineage() {
         q("SELECT DISTINCT step FROM metrics WHERE stage = 'trainer' AND name = 'loss' ORDER BY step"),
         ["1", "2", "3"]
     );
+    // The source read the scored rows back (difficulty pools) and reported its pools.
+    assert_eq!(
+        q("SELECT count(*) > 0 FROM metrics WHERE stage = 'source' AND name = 'hard_pool_size'"),
+        ["true"]
+    );
     // Held-out accuracy was measured for versions 0..=3.
     assert_eq!(
         q("SELECT step FROM metrics WHERE name = 'heldout_accuracy' ORDER BY step"),
@@ -164,7 +170,7 @@ fn run_trains_on_multi_turn_tool_trajectories_executed_in_sandboxes() {
             "  arith: { weight: 1 }\nsft: { out: run/sft, steps: 20, batch: 32 }",
             "  tool: { weight: 1, config: { digits: 2, max_turns: 3 } }\nsft: { out: run/sft, env: tool, steps: 60, batch: 16, lr: 0.003 }",
         )
-        .replace("max_steps: 3, max_tokens: 8 }", "max_steps: 2, max_tokens: 48, temperature: 0.7 }")
+        .replace("max_steps: 3, max_tokens: 8,", "max_steps: 2, max_tokens: 48, temperature: 0.7,")
         .replace("config: { checkpoint: run/sft, max_inflight_groups: 2 }", "config: { checkpoint: run/sft, max_inflight_groups: 2, turn_max_tokens: 32 }")
         .replace(
             "groups_per_step: 2, max_steps: 3, keep_last: 2, eval_every: 1, eval_problems: 20 }",
@@ -174,6 +180,7 @@ fn run_trains_on_multi_turn_tool_trajectories_executed_in_sandboxes() {
         topology.contains("env: tool")
             && topology.contains("turn_max_tokens")
             && topology.contains("max_steps: 2, keep_last")
+            && topology.contains("max_tokens: 48")
     );
     std::fs::write(dir.path().join("topology.yaml"), topology).unwrap();
     let (ok, out, err) = streamrl(dir.path(), &["run"]);

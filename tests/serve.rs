@@ -181,6 +181,7 @@ async fn the_rollout_stage_drives_serve_as_a_remote_engine_with_weight_updates()
         run_dir: dir.path().into(),
         stage: "rollout".into(),
         replica: 0,
+        inputs: vec![("prompts".into(), SchemaId::Prompts)],
         outputs: vec![("rollouts".into(), SchemaId::Rollouts)],
         envs,
     };

@@ -74,6 +74,18 @@ fn fnv(s: &str) -> u64 {
     })
 }
 
+/// Whether `expr` is held out for eval: a well-mixed hash (FNV-1a, then the splitmix64
+/// finaliser) modulo `every`. FNV-1a alone is not enough: its low bit is the XOR of the
+/// bytes' low bits, which for `+`/`-` expressions is the parity of the answer, so `fnv % 10
+/// == 0` held out only even answers — a biased eval split that RL on the rest learned to
+/// do worse on.
+fn held_out(expr: &str, every: u64) -> bool {
+    let mut z = fnv(expr).wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)).is_multiple_of(every)
+}
+
 /// The fraction of `want`'s digits (aligned from the right) and sign that `got` matches;
 /// extra digits in `got` count against it. 1 only for the exact answer.
 pub fn digit_credit(got: &str, want: &str) -> f32 {
@@ -186,8 +198,7 @@ impl Environment for Arith {
         let mut rng = StdRng::seed_from_u64(seed);
         loop {
             let (expr, v) = self.draw(&mut rng);
-            let held_out = fnv(&expr).is_multiple_of(self.cfg.eval_every);
-            if held_out == (split == Split::Eval) {
+            if held_out(&expr, self.cfg.eval_every) == (split == Split::Eval) {
                 return Problem {
                     id: format!("arith-{}", fnv(&expr)),
                     env: "arith".into(),
@@ -251,6 +262,51 @@ mod tests {
             exec: None,
         });
         assert_eq!((s.reward, s.components[0].reason.as_str()), (0.0, "no answer found"));
+    }
+
+    #[test]
+    fn the_held_out_split_is_an_unbiased_sample() {
+        let env = Arith::new(ArithConfig {
+            levels: vec![Level {
+                digits: 1,
+                operands: 4,
+                operators: "+-".into(),
+            }],
+            ..Default::default()
+        })
+        .unwrap();
+        let answers = |split| -> Vec<i64> {
+            (0..4000)
+                .map(|s| env.sample(split, s).answer.unwrap().parse().unwrap())
+                .collect()
+        };
+        let (train, eval) = (answers(Split::Train), answers(Split::Eval));
+        let odd = |v: &[i64]| v.iter().filter(|a| *a % 2 != 0).count() as f64 / v.len() as f64;
+        let mean = |v: &[i64]| v.iter().sum::<i64>() as f64 / v.len() as f64;
+        // Half the answers are odd in both splits (plain FNV held out only even ones).
+        assert!((odd(&eval) - 0.5).abs() < 0.04, "odd answers in eval: {}", odd(&eval));
+        assert!(
+            (odd(&train) - 0.5).abs() < 0.04,
+            "odd answers in train: {}",
+            odd(&train)
+        );
+        assert!(
+            (mean(&eval) - mean(&train)).abs() < 0.5,
+            "{} vs {}",
+            mean(&eval),
+            mean(&train)
+        );
+        // About one problem in eval_every is held out, and the splits do not overlap.
+        let all: Vec<String> = (0..20_000)
+            .map(|s| {
+                let mut rng = StdRng::seed_from_u64(s);
+                env.draw(&mut rng).0
+            })
+            .collect();
+        let frac = all.iter().filter(|e| held_out(e, 10)).count() as f64 / all.len() as f64;
+        assert!((frac - 0.1).abs() < 0.01, "held out {frac}");
+        let eval_q: std::collections::HashSet<String> = (0..500).map(|s| env.sample(Split::Eval, s).question).collect();
+        assert!((0..2000).all(|s| !eval_q.contains(&env.sample(Split::Train, s).question)));
     }
 
     #[test]

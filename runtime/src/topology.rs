@@ -110,7 +110,8 @@ impl StageKind {
         use SchemaId as S;
         match self {
             StageKind::Source => Ports {
-                inputs: Some(&[]),
+                // Scored rows are the source's feedback (difficulty pools), not data.
+                inputs: Some(&[S::Scored]),
                 broadcast: &[S::Policy],
                 outputs: &[S::Prompts, S::Metrics],
             },
@@ -553,7 +554,9 @@ impl Topology {
     }
 
     /// Data edges (producer stage → consumer stage through a non-feedback topic) must form
-    /// no cycle; broadcast reads (policy) are control, not data.
+    /// no cycle; broadcast reads (policy) are control, not data, and what a source reads
+    /// (scored rows for its difficulty pools) is feedback by definition: the loop starts
+    /// there.
     fn check_cycles(&self) -> Vec<TopologyError> {
         let mut edges: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
         for (p, ps) in &self.stages {
@@ -562,7 +565,7 @@ impl Topology {
                     continue;
                 }
                 for (c, cs) in &self.stages {
-                    if cs.kind != StageKind::Archive && cs.inputs.contains(t) {
+                    if !matches!(cs.kind, StageKind::Archive | StageKind::Source) && cs.inputs.contains(t) {
                         edges.entry(p.as_str()).or_default().insert(c.as_str());
                     }
                 }

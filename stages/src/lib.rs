@@ -89,6 +89,8 @@ pub struct Ctx {
     pub stage: String,
     /// Replica index.
     pub replica: u32,
+    /// Input topics with their schemas (not broadcast reads).
+    pub inputs: Vec<(String, SchemaId)>,
     /// Output topics with their schemas.
     pub outputs: Vec<(String, SchemaId)>,
     /// The configured environments, when the topology has an `envs:` section.

@@ -9,22 +9,38 @@
 //! version, so the accounting stays exact. Admission starts with the first policy version
 //! seen (the trainer announces its version when it starts). The position (`next_group`)
 //! survives a restart (stage snapshot); after one, groups of steps the trainer has not
-//! trained yet are admitted again under the same ids, since an in-process bus loses what
-//! was in flight.
+//! trained yet are admitted again under the same ids (and the same problems), since an
+//! in-process bus loses what was in flight.
+//!
+//! **Datasets** (environments with a finite train split) are read in epochs: each epoch
+//! visits every train problem once, in an order shuffled per epoch (`shuffle`), and with
+//! `epochs` set the source stops after the step in which the last epoch ends (the trainer
+//! gets whole steps). Generated environments (arith, countdown) draw from their seed.
+//!
+//! **Difficulty pools** (`difficulty`, off by default; prime-rl's buffer): the source
+//! reads `scored` as feedback, and when all samples of one of its groups are scored it
+//! files the problem by the group's mean reward: at least `easy_threshold` → easy pool,
+//! at most `hard_threshold` → hard pool, otherwise nothing (it stays in rotation). Pooled
+//! problems leave fresh draws; `easy_fraction` / `hard_fraction` of groups come from the
+//! easy / hard pool instead (while it holds problems), and a problem drawn from a pool
+//! is filed again by its new rewards. The pools, the epoch positions and the open groups
+//! are part of the snapshot, so they survive a restart.
 
+use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
-use streamrl_envs::{Mix, Split};
+use streamrl_envs::{Environment, Mix, Split};
 use streamrl_model::Tokenizer;
 use streamrl_model::chat::ChatTemplate;
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
-use streamrl_schemas::{PolicyRow, PromptRow, SchemaId, TopicRow};
+use streamrl_schemas::{PolicyRow, PromptRow, SchemaId, ScoredRow, TopicRow};
 
 use crate::{Ctx, now_ms, rows};
 
@@ -55,6 +71,71 @@ pub struct SourceConfig {
     pub length_tail_alpha: Option<f64>,
     /// Smallest `max_tokens` the tail draws.
     pub min_tokens: u32,
+    /// Visit a dataset's train problems in a new random order each epoch (`false`: in
+    /// file order).
+    pub shuffle: bool,
+    /// Passes over each dataset (`null`: no limit). Generated environments never run out.
+    pub epochs: Option<u64>,
+    /// Difficulty pools fed by the `scored` input (`null`: off).
+    pub difficulty: Option<DifficultyConfig>,
+}
+
+/// Difficulty pools: problems filed as easy or hard by their last group's mean reward.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DifficultyConfig {
+    /// A group whose mean reward is at least this files its problem as easy.
+    pub easy_threshold: f32,
+    /// A group whose mean reward is at most this files its problem as hard.
+    pub hard_threshold: f32,
+    /// Fraction of groups drawn from the easy pool while it holds problems.
+    pub easy_fraction: f64,
+    /// Fraction of groups drawn from the hard pool while it holds problems.
+    pub hard_fraction: f64,
+    /// Problems each pool keeps at most (the oldest leave first, back into rotation).
+    pub capacity: usize,
+}
+
+impl Default for DifficultyConfig {
+    fn default() -> Self {
+        DifficultyConfig {
+            easy_threshold: 1.0,
+            hard_threshold: 0.0,
+            easy_fraction: 0.0,
+            hard_fraction: 0.0,
+            capacity: 10_000,
+        }
+    }
+}
+
+impl DifficultyConfig {
+    fn problems(&self, p: &mut Vec<String>) {
+        if !(self.easy_threshold.is_finite() && self.hard_threshold.is_finite())
+            || self.hard_threshold >= self.easy_threshold
+        {
+            p.push(format!(
+                "difficulty: hard_threshold {} must be below easy_threshold {}",
+                self.hard_threshold, self.easy_threshold
+            ));
+        }
+        for (name, f) in [
+            ("easy_fraction", self.easy_fraction),
+            ("hard_fraction", self.hard_fraction),
+        ] {
+            if !(0.0..=1.0).contains(&f) {
+                p.push(format!("difficulty: {name} {f} must be in [0, 1]"));
+            }
+        }
+        if self.easy_fraction + self.hard_fraction > 1.0 {
+            p.push(format!(
+                "difficulty: easy_fraction {} + hard_fraction {} exceeds 1",
+                self.easy_fraction, self.hard_fraction
+            ));
+        }
+        if self.capacity == 0 {
+            p.push("difficulty: capacity must be at least 1".into());
+        }
+    }
 }
 
 impl Default for SourceConfig {
@@ -70,6 +151,9 @@ impl Default for SourceConfig {
             max_tokens: 16,
             length_tail_alpha: None,
             min_tokens: 4,
+            shuffle: true,
+            epochs: None,
+            difficulty: None,
         }
     }
 }
@@ -107,14 +191,56 @@ impl SourceConfig {
                 self.min_tokens, self.max_tokens
             ));
         }
+        if self.epochs == Some(0) {
+            p.push("epochs must be at least 1 (or null for no limit)".into());
+        }
+        if let Some(d) = &self.difficulty {
+            d.problems(&mut p);
+        }
         p
     }
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+/// Groups whose feedback is this many versions behind the trainer are forgotten.
+const FEEDBACK_HORIZON: u64 = 8;
+
+/// A problem as the source drew it: enough to draw it again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Draw {
+    env: String,
+    seed: u64,
+    problem_id: String,
+}
+
+/// An emitted group: its draw (kept so that a re-admission asks the same problem) and
+/// the rewards scored so far, by sample index, until it is filed.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Open {
+    draw: Draw,
+    rewards: BTreeMap<u32, f32>,
+    filed: bool,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
 struct State {
     next_group: u64,
     latest_version: u64,
+    /// Problems of each dataset drawn so far (all epochs).
+    drawn: BTreeMap<String, u64>,
+    /// The last step the source emits (set when a dataset's last epoch ends).
+    last_step: Option<u64>,
+    /// Emitted groups by index, until classified or forgotten.
+    open: BTreeMap<u64, Open>,
+    easy: VecDeque<Draw>,
+    hard: VecDeque<Draw>,
+}
+
+/// A dataset's visiting order for one epoch, cached.
+#[derive(Debug)]
+struct Order {
+    epoch: u64,
+    perm: Vec<u64>,
 }
 
 /// The source stage.
@@ -128,6 +254,7 @@ pub struct SourceStage {
     state: State,
     /// Whether a policy version has been seen since start (admission waits for it).
     synced: bool,
+    orders: BTreeMap<String, Order>,
 }
 
 impl std::fmt::Debug for SourceStage {
@@ -142,6 +269,12 @@ impl SourceStage {
         let mut errs = cfg.problems();
         let envs = ctx.require_envs();
         let prompts = ctx.require_output(SchemaId::Prompts);
+        if cfg.difficulty.is_some() && !ctx.inputs.iter().any(|(_, s)| *s == SchemaId::Scored) {
+            errs.push(format!(
+                "difficulty pools need feedback: add the topic of schema `scored` to stage `{}`'s inputs",
+                ctx.stage
+            ));
+        }
         let tok_path = cfg.checkpoint.join("tokenizer.json");
         let tokenizer = Tokenizer::from_file(&tok_path);
         if let Err(e) = &tokenizer
@@ -169,23 +302,161 @@ impl SourceStage {
             tokenizer: tokenizer.expect("checked"),
             template: template.expect("checked"),
             prompts: prompts.expect("checked"),
-            state: State {
-                next_group: 0,
-                latest_version: 0,
-            },
+            state: State::default(),
             synced: false,
+            orders: BTreeMap::new(),
         })
+    }
+
+    /// The problem the `i`-th draw (over all epochs) from a dataset of `n` train problems
+    /// visits.
+    fn dataset_seed(&mut self, env: &str, n: u64, i: u64) -> u64 {
+        let epoch = i / n;
+        if !self.cfg.shuffle {
+            return i % n;
+        }
+        let order = self.orders.entry(env.to_string()).or_insert(Order {
+            epoch: u64::MAX,
+            perm: Vec::new(),
+        });
+        if order.epoch != epoch {
+            let mut perm: Vec<u64> = (0..n).collect();
+            let salt = env
+                .bytes()
+                .fold(epoch, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
+            perm.shuffle(&mut StdRng::seed_from_u64(
+                self.cfg.seed ^ salt.wrapping_mul(0x2545_f491_4f6c_dd1d),
+            ));
+            *order = Order { epoch, perm };
+        }
+        order.perm[(i % n) as usize]
+    }
+
+    /// A fresh problem from `env`: the next of a dataset's epoch order, or a generated one.
+    fn fresh(&mut self, env: &dyn Environment, rng: &mut StdRng, g: u64) -> Draw {
+        let name = env.name().to_string();
+        let seed = match env.split_len(Split::Train) {
+            Some(n) if n > 0 => {
+                let n = n as u64;
+                let i = *self.state.drawn.get(&name).unwrap_or(&0);
+                self.state.drawn.insert(name.clone(), i + 1);
+                if let Some(e) = self.cfg.epochs
+                    && (i + 1) == e * n
+                    && self.state.last_step.is_none()
+                {
+                    // The last epoch ends with this draw: finish its step, then stop.
+                    self.state.last_step = Some(self.step_of(g));
+                }
+                self.dataset_seed(&name, n, i)
+            }
+            _ => rng.random(),
+        };
+        let problem_id = env.sample(Split::Train, seed).id;
+        Draw {
+            env: name,
+            seed,
+            problem_id,
+        }
+    }
+
+    fn pooled(&self, id: &str) -> bool {
+        self.state
+            .easy
+            .iter()
+            .chain(&self.state.hard)
+            .any(|d| d.problem_id == id)
+    }
+
+    /// What group `g` asks: the draw recorded when it was first emitted (a re-admission
+    /// after a restart), a problem from a difficulty pool, or a fresh one.
+    fn draw(&mut self, g: u64, rng: &mut StdRng) -> (Draw, &'static str) {
+        if let Some(o) = self.state.open.get(&g) {
+            return (o.draw.clone(), "again");
+        }
+        let u_env: f64 = rng.random();
+        if let Some(d) = self.cfg.difficulty.clone() {
+            let u: f64 = rng.random();
+            let from = if u < d.easy_fraction {
+                Some(&mut self.state.easy)
+            } else if u < d.easy_fraction + d.hard_fraction {
+                Some(&mut self.state.hard)
+            } else {
+                None
+            };
+            if let Some(pool) = from
+                && !pool.is_empty()
+            {
+                let i = rng.random_range(0..pool.len());
+                let kind = if u < d.easy_fraction { "easy" } else { "hard" };
+                return (pool.remove(i).expect("in range"), kind);
+            }
+        }
+        let envs = self.envs.clone();
+        let env = envs.pick(u_env);
+        // Pooled problems leave the rotation (a few redraws; generated spaces are vast).
+        let mut draw = self.fresh(env, rng, g);
+        for _ in 0..16 {
+            if self.state.easy.is_empty() && self.state.hard.is_empty() || !self.pooled(&draw.problem_id) {
+                break;
+            }
+            draw = self.fresh(env, rng, g);
+        }
+        (draw, "fresh")
+    }
+
+    /// Files a group's problem by its mean reward once all its samples are scored.
+    fn feedback(&mut self, rows: &[ScoredRow]) {
+        let Some(d) = self.cfg.difficulty.clone() else {
+            return;
+        };
+        let prefix = format!("{}-g", self.ctx.run_id);
+        for r in rows {
+            let Some(g) = r.group_id.strip_prefix(&prefix).and_then(|s| s.parse::<u64>().ok()) else {
+                continue; // another run's rows (a replay): not ours to file
+            };
+            let Some(open) = self.state.open.get_mut(&g).filter(|o| !o.filed) else {
+                continue;
+            };
+            open.rewards.insert(r.sample_index, r.reward);
+            if open.rewards.len() < r.group_size as usize {
+                continue;
+            }
+            open.filed = true;
+            let mean = open.rewards.values().sum::<f32>() / open.rewards.len() as f32;
+            open.rewards.clear();
+            let draw = open.draw.clone();
+            let pool = if mean >= d.easy_threshold {
+                &mut self.state.easy
+            } else if mean <= d.hard_threshold {
+                &mut self.state.hard
+            } else {
+                continue;
+            };
+            pool.push_back(draw);
+            if pool.len() > d.capacity {
+                pool.pop_front();
+            }
+        }
     }
 
     fn step_of(&self, group: u64) -> u64 {
         group / self.cfg.groups_per_step as u64
     }
 
-    /// The group for index `g` (deterministic in seed and g).
-    fn group(&self, g: u64) -> Result<PromptRow, StageError> {
+    /// The group for index `g` (deterministic in the seed, g and the source's state).
+    fn group(&mut self, g: u64) -> Result<(PromptRow, &'static str), StageError> {
         let mut rng = StdRng::seed_from_u64(self.cfg.seed ^ g.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        let env = self.envs.pick(rng.random::<f64>());
-        let problem = env.sample(Split::Train, rng.random());
+        let (draw, from) = self.draw(g, &mut rng);
+        let envs = self.envs.clone();
+        let env = envs
+            .get(&draw.env)
+            .ok_or_else(|| StageError::internal(format!("environment `{}` is no longer configured", draw.env)))?;
+        let problem = env.sample(Split::Train, draw.seed);
+        self.state.open.entry(g).or_insert(Open {
+            draw,
+            rewards: BTreeMap::new(),
+            filed: false,
+        });
         let prompt = crate::render_prompt(&self.template, &env.prompt(&problem))
             .map_err(|e| StageError::internal(format!("rendering the prompt of {}: {e}", problem.id)))?;
         let max_tokens = match self.cfg.length_tail_alpha {
@@ -200,7 +471,7 @@ impl SourceStage {
             .tokenizer
             .encode(&prompt)
             .map_err(|e| StageError::internal(format!("tokenizing the prompt of {}: {e}", problem.id)))?;
-        Ok(PromptRow {
+        let row = PromptRow {
             run_id: self.ctx.run_id.clone(),
             problem_id: problem.id.clone(),
             group_id: format!("{}-g{g:07}", self.ctx.run_id),
@@ -214,19 +485,31 @@ impl SourceStage {
             temperature: self.cfg.temperature,
             max_tokens,
             created_at: now_ms(),
-        })
+        };
+        Ok((row, from))
     }
 
     fn admit(&mut self, out: &mut Emitter) -> Result<(), StageError> {
         let mut rows = Vec::new();
+        let (mut easy, mut hard) = (0, 0);
         loop {
             let s = self.step_of(self.state.next_group);
-            if s > self.state.latest_version + self.cfg.max_async_level || self.cfg.max_steps.is_some_and(|m| s >= m) {
+            if s > self.state.latest_version + self.cfg.max_async_level
+                || self.cfg.max_steps.is_some_and(|m| s >= m)
+                || self.state.last_step.is_some_and(|m| s > m)
+            {
                 break;
             }
-            rows.push(self.group(self.state.next_group)?);
+            let (row, from) = self.group(self.state.next_group)?;
+            easy += (from == "easy") as u32;
+            hard += (from == "hard") as u32;
+            rows.push(row);
             self.state.next_group += 1;
         }
+        // Groups the trainer moved far past will get no feedback that matters any more.
+        let horizon = self.state.latest_version.saturating_sub(FEEDBACK_HORIZON);
+        let keep_from = horizon * self.cfg.groups_per_step as u64;
+        self.state.open = self.state.open.split_off(&keep_from);
         if !rows.is_empty() {
             let step = rows[0].step;
             let n = rows.len();
@@ -239,6 +522,10 @@ impl SourceStage {
                 &[
                     ("groups_emitted", n as f64),
                     ("admitted_through_step", self.step_of(self.state.next_group - 1) as f64),
+                    ("groups_from_easy_pool", easy as f64),
+                    ("groups_from_hard_pool", hard as f64),
+                    ("easy_pool_size", self.state.easy.len() as f64),
+                    ("hard_pool_size", self.state.hard.len() as f64),
                 ],
             ) {
                 out.emit(t, b);
@@ -251,6 +538,10 @@ impl SourceStage {
 #[async_trait]
 impl Stage for SourceStage {
     async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
+        if input.schema == SchemaId::Scored {
+            self.feedback(&rows::<ScoredRow>(&input.batch)?);
+            return Ok(());
+        }
         if input.schema == SchemaId::Policy {
             let Some(v) = rows::<PolicyRow>(&input.batch)?.iter().map(|p| p.version as u64).max() else {
                 return Ok(());

@@ -29,6 +29,7 @@ fn ctx(stage: &str, run_dir: &Path, outputs: &[(&str, SchemaId)]) -> Ctx {
         run_dir: run_dir.to_path_buf(),
         stage: stage.into(),
         replica: 0,
+        inputs: Vec::new(),
         outputs: outputs.iter().map(|(n, s)| (n.to_string(), *s)).collect(),
         envs: build_envs(&envs).unwrap().map(Arc::new),
     }
@@ -257,6 +258,203 @@ async fn source_admits_groups_only_within_the_async_level_and_resumes_its_positi
             .map(|p| p.group_id.clone())
             .collect::<Vec<_>>()
     );
+}
+
+fn policy_row(v: u32) -> PolicyRow {
+    PolicyRow {
+        run_id: "test".into(),
+        version: v,
+        step: v as u64,
+        uri: String::new(),
+        sha256: String::new(),
+        created_at: 0,
+    }
+}
+
+fn scored_row(p: &PromptRow, i: u32, reward: f32) -> ScoredRow {
+    let mut s = scored(&p.group_id, i, p.group_size, reward);
+    s.problem_id = p.problem_id.clone();
+    s.step = p.step;
+    s
+}
+
+fn metric_values(out: &[(String, arrow::record_batch::RecordBatch)], name: &str) -> Vec<f64> {
+    out.iter()
+        .filter(|(t, _)| t == "metrics")
+        .flat_map(|(_, b)| streamrl_schemas::MetricRow::from_batch(b).unwrap())
+        .filter(|m| m.name == name)
+        .map(|m| m.value)
+        .collect()
+}
+
+#[tokio::test]
+async fn source_files_problems_into_difficulty_pools_by_group_reward_and_draws_from_them() {
+    use streamrl_stages::source::DifficultyConfig;
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    tiny(&ckpt, 0);
+    let cfg = SourceConfig {
+        checkpoint: ckpt.clone(),
+        group_size: 2,
+        groups_per_step: 4,
+        max_async_level: 0,
+        difficulty: Some(DifficultyConfig {
+            easy_fraction: 1.0,
+            capacity: 4,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let outputs = [("prompts", SchemaId::Prompts), ("metrics", SchemaId::Metrics)];
+    // Pools without feedback are refused, naming what is missing.
+    let err = SourceStage::build(cfg.clone(), ctx("source", dir.path(), &outputs)).unwrap_err();
+    assert!(err.iter().any(|e| e.contains("`scored`")), "{err:?}");
+    let bad = SourceConfig {
+        difficulty: Some(DifficultyConfig {
+            easy_fraction: 0.8,
+            hard_fraction: 0.5,
+            hard_threshold: 1.0,
+            ..Default::default()
+        }),
+        ..cfg.clone()
+    };
+    let problems = bad.problems();
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("hard_threshold 1 must be below easy_threshold 1"))
+    );
+    assert!(problems.iter().any(|p| p.contains("exceeds 1")), "{problems:?}");
+
+    let c = Ctx {
+        inputs: vec![("scored".into(), SchemaId::Scored)],
+        ..ctx("source", dir.path(), &outputs)
+    };
+    let mut stage = SourceStage::build(cfg.clone(), c.clone()).unwrap();
+    let mut out = Emitter::default();
+    stage
+        .process(input("policy", &[policy_row(0)]), &mut out)
+        .await
+        .unwrap();
+    let step0: Vec<PromptRow> = batches(&mut out, "prompts");
+    assert_eq!(step0.len(), 4);
+    // Group 0 is solved by every sample (easy), group 1 by none (hard), group 2 by one
+    // of two (stays in rotation), group 3 is still missing a sample.
+    let feedback = [
+        scored_row(&step0[0], 0, 1.0),
+        scored_row(&step0[0], 1, 1.0),
+        scored_row(&step0[1], 0, 0.0),
+        scored_row(&step0[1], 1, 0.0),
+        scored_row(&step0[2], 0, 1.0),
+        scored_row(&step0[2], 1, 0.0),
+        scored_row(&step0[3], 0, 1.0),
+        // A duplicate delivery of a sample does not complete a group.
+        scored_row(&step0[3], 0, 1.0),
+    ];
+    stage.process(input("scored", &feedback), &mut out).await.unwrap();
+    stage
+        .process(input("policy", &[policy_row(1)]), &mut out)
+        .await
+        .unwrap();
+    let emitted = out.drain();
+    assert_eq!(metric_values(&emitted, "groups_from_easy_pool"), vec![1.0]);
+    assert_eq!(metric_values(&emitted, "easy_pool_size"), vec![0.0], "drawn out of the pool");
+    assert_eq!(metric_values(&emitted, "hard_pool_size"), vec![1.0]);
+    let step1: Vec<PromptRow> = emitted
+        .iter()
+        .filter(|(t, _)| t == "prompts")
+        .flat_map(|(_, b)| PromptRow::from_batch(b).unwrap())
+        .collect();
+    assert_eq!(step1.len(), 4);
+    let from_easy: Vec<_> = step1.iter().filter(|p| p.problem_id == step0[0].problem_id).collect();
+    assert_eq!(from_easy.len(), 1, "the easy problem is asked again exactly once");
+    assert_eq!(from_easy[0].prompt, step0[0].prompt);
+    assert!(
+        step1.iter().all(|p| p.problem_id != step0[1].problem_id),
+        "hard_fraction 0: never again"
+    );
+
+    // The pools survive a restart: the re-asked easy problem is solved again, filed again,
+    // and drawn by the restored stage.
+    let again = step1.iter().find(|p| p.problem_id == step0[0].problem_id).unwrap();
+    stage
+        .process(
+            input("scored", &[scored_row(again, 0, 1.0), scored_row(again, 1, 1.0)]),
+            &mut out,
+        )
+        .await
+        .unwrap();
+    let snap = stage.snapshot().unwrap();
+    let mut restored = SourceStage::build(cfg, c).unwrap();
+    restored.restore(&snap).unwrap();
+    restored
+        .process(input("policy", &[policy_row(1)]), &mut out)
+        .await
+        .unwrap();
+    let readmitted: Vec<PromptRow> = batches(&mut out, "prompts");
+    assert_eq!(
+        readmitted
+            .iter()
+            .map(|p| (&p.group_id, &p.problem_id))
+            .collect::<Vec<_>>(),
+        step1.iter().map(|p| (&p.group_id, &p.problem_id)).collect::<Vec<_>>(),
+        "a re-admitted group asks the problem it asked before"
+    );
+    restored
+        .process(input("policy", &[policy_row(2)]), &mut out)
+        .await
+        .unwrap();
+    let step2: Vec<PromptRow> = batches(&mut out, "prompts");
+    assert_eq!(step2.iter().filter(|p| p.problem_id == step0[0].problem_id).count(), 1);
+}
+
+#[tokio::test]
+async fn source_reads_a_dataset_in_shuffled_epochs_and_stops_after_the_last() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    tiny(&ckpt, 0);
+    let cfg = SourceConfig {
+        checkpoint: ckpt.clone(),
+        group_size: 2,
+        groups_per_step: 3,
+        max_async_level: 100,
+        epochs: Some(1),
+        ..Default::default()
+    };
+    // The math fixture: 10 problems, every 5th held out, so 8 to train on.
+    let c = ctx_with_envs("source", dir.path(), &[("prompts", SchemaId::Prompts)], "math: {}");
+    let mut stage = SourceStage::build(cfg.clone(), c.clone()).unwrap();
+    let mut out = Emitter::default();
+    stage
+        .process(input("policy", &[policy_row(0)]), &mut out)
+        .await
+        .unwrap();
+    let rows: Vec<PromptRow> = batches(&mut out, "prompts");
+    // The epoch ends with the 8th group (step 2); its step is completed, then nothing.
+    assert_eq!(rows.len(), 9, "{:?}", rows.iter().map(|p| p.step).collect::<Vec<_>>());
+    let first_epoch: std::collections::HashSet<_> = rows[..8].iter().map(|p| p.problem_id.clone()).collect();
+    assert_eq!(first_epoch.len(), 8, "every train problem once per epoch");
+    stage
+        .process(input("policy", &[policy_row(50)]), &mut out)
+        .await
+        .unwrap();
+    assert!(batches::<PromptRow>(&mut out, "prompts").is_empty());
+    // Shuffled per epoch, but not in file order, and the same for the same seed.
+    let unshuffled = SourceConfig {
+        shuffle: false,
+        ..cfg.clone()
+    };
+    let mut plain = SourceStage::build(unshuffled, c.clone()).unwrap();
+    plain
+        .process(input("policy", &[policy_row(0)]), &mut out)
+        .await
+        .unwrap();
+    let plain_rows: Vec<PromptRow> = batches(&mut out, "prompts");
+    let ids = |r: &[PromptRow]| r.iter().map(|p| p.problem_id.clone()).collect::<Vec<_>>();
+    assert_ne!(ids(&plain_rows[..8]), ids(&rows[..8]));
+    let mut same = SourceStage::build(cfg, c).unwrap();
+    same.process(input("policy", &[policy_row(0)]), &mut out).await.unwrap();
+    assert_eq!(ids(&batches::<PromptRow>(&mut out, "prompts")), ids(&rows));
 }
 
 fn prompt(group: &str, size: u32) -> PromptRow {
