@@ -358,7 +358,11 @@ async fn source_files_problems_into_difficulty_pools_by_group_reward_and_draws_f
         .unwrap();
     let emitted = out.drain();
     assert_eq!(metric_values(&emitted, "groups_from_easy_pool"), vec![1.0]);
-    assert_eq!(metric_values(&emitted, "easy_pool_size"), vec![0.0], "drawn out of the pool");
+    assert_eq!(
+        metric_values(&emitted, "easy_pool_size"),
+        vec![0.0],
+        "drawn out of the pool"
+    );
     assert_eq!(metric_values(&emitted, "hard_pool_size"), vec![1.0]);
     let step1: Vec<PromptRow> = emitted
         .iter()
