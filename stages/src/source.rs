@@ -36,7 +36,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
-use streamrl_envs::{Environment, Mix, Split};
+use streamrl_envs::{Environment, Mix, Problem, Split};
 use streamrl_model::Tokenizer;
 use streamrl_model::chat::ChatTemplate;
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
@@ -236,6 +236,19 @@ struct State {
     hard: VecDeque<Draw>,
 }
 
+/// Where a group's problem came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    /// A fresh draw from the environments.
+    Fresh,
+    /// The easy pool.
+    Easy,
+    /// The hard pool.
+    Hard,
+    /// The draw recorded when the group was first emitted (a re-admission).
+    Again,
+}
+
 /// A dataset's visiting order for one epoch, cached.
 #[derive(Debug)]
 struct Order {
@@ -333,7 +346,7 @@ impl SourceStage {
     }
 
     /// A fresh problem from `env`: the next of a dataset's epoch order, or a generated one.
-    fn fresh(&mut self, env: &dyn Environment, rng: &mut StdRng, g: u64) -> Draw {
+    fn fresh(&mut self, env: &dyn Environment, rng: &mut StdRng, g: u64) -> (Draw, Problem) {
         let name = env.name().to_string();
         let seed = match env.split_len(Split::Train) {
             Some(n) if n > 0 => {
@@ -351,12 +364,13 @@ impl SourceStage {
             }
             _ => rng.random(),
         };
-        let problem_id = env.sample(Split::Train, seed).id;
-        Draw {
+        let problem = env.sample(Split::Train, seed);
+        let draw = Draw {
             env: name,
             seed,
-            problem_id,
-        }
+            problem_id: problem.id.clone(),
+        };
+        (draw, problem)
     }
 
     fn pooled(&self, id: &str) -> bool {
@@ -369,9 +383,16 @@ impl SourceStage {
 
     /// What group `g` asks: the draw recorded when it was first emitted (a re-admission
     /// after a restart), a problem from a difficulty pool, or a fresh one.
-    fn draw(&mut self, g: u64, rng: &mut StdRng) -> (Draw, &'static str) {
+    fn draw(&mut self, g: u64, rng: &mut StdRng) -> Result<(Draw, Problem, Origin), StageError> {
+        let again = |d: Draw, envs: &Mix, origin: Origin| {
+            let env = envs
+                .get(&d.env)
+                .ok_or_else(|| StageError::internal(format!("environment `{}` is no longer configured", d.env)))?;
+            let problem = env.sample(Split::Train, d.seed);
+            Ok((d, problem, origin))
+        };
         if let Some(o) = self.state.open.get(&g) {
-            return (o.draw.clone(), "again");
+            return again(o.draw.clone(), &self.envs, Origin::Again);
         }
         let u_env: f64 = rng.random();
         if let Some(d) = self.cfg.difficulty.clone() {
@@ -387,21 +408,36 @@ impl SourceStage {
                 && !pool.is_empty()
             {
                 let i = rng.random_range(0..pool.len());
-                let kind = if u < d.easy_fraction { "easy" } else { "hard" };
-                return (pool.remove(i).expect("in range"), kind);
+                let origin = if u < d.easy_fraction {
+                    Origin::Easy
+                } else {
+                    Origin::Hard
+                };
+                let draw = pool.remove(i).expect("in range");
+                return again(draw, &self.envs, origin);
             }
         }
         let envs = self.envs.clone();
         let env = envs.pick(u_env);
         // Pooled problems leave the rotation (a few redraws; generated spaces are vast).
-        let mut draw = self.fresh(env, rng, g);
+        let mut fresh = self.fresh(env, rng, g);
         for _ in 0..16 {
-            if self.state.easy.is_empty() && self.state.hard.is_empty() || !self.pooled(&draw.problem_id) {
+            if self.state.easy.is_empty() && self.state.hard.is_empty() || !self.pooled(&fresh.0.problem_id) {
                 break;
             }
-            draw = self.fresh(env, rng, g);
+            fresh = self.fresh(env, rng, g);
         }
-        (draw, "fresh")
+        Ok((fresh.0, fresh.1, Origin::Fresh))
+    }
+
+    /// The id of group `g` (unique in the run).
+    fn group_id(&self, g: u64) -> String {
+        format!("{}-g{g:07}", self.ctx.run_id)
+    }
+
+    /// The index of one of this run's group ids (`None` for another run's).
+    fn group_index(&self, id: &str) -> Option<u64> {
+        id.strip_prefix(&self.ctx.run_id)?.strip_prefix("-g")?.parse().ok()
     }
 
     /// Files a group's problem by its mean reward once all its samples are scored.
@@ -409,9 +445,8 @@ impl SourceStage {
         let Some(d) = self.cfg.difficulty.clone() else {
             return;
         };
-        let prefix = format!("{}-g", self.ctx.run_id);
         for r in rows {
-            let Some(g) = r.group_id.strip_prefix(&prefix).and_then(|s| s.parse::<u64>().ok()) else {
+            let Some(g) = self.group_index(&r.group_id) else {
                 continue; // another run's rows (a replay): not ours to file
             };
             let Some(open) = self.state.open.get_mut(&g).filter(|o| !o.filed) else {
@@ -444,14 +479,11 @@ impl SourceStage {
     }
 
     /// The group for index `g` (deterministic in the seed, g and the source's state).
-    fn group(&mut self, g: u64) -> Result<(PromptRow, &'static str), StageError> {
+    fn group(&mut self, g: u64) -> Result<(PromptRow, Origin), StageError> {
         let mut rng = StdRng::seed_from_u64(self.cfg.seed ^ g.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        let (draw, from) = self.draw(g, &mut rng);
+        let (draw, problem, from) = self.draw(g, &mut rng)?;
         let envs = self.envs.clone();
-        let env = envs
-            .get(&draw.env)
-            .ok_or_else(|| StageError::internal(format!("environment `{}` is no longer configured", draw.env)))?;
-        let problem = env.sample(Split::Train, draw.seed);
+        let env = envs.get(&draw.env).expect("drawn from a configured environment");
         self.state.open.entry(g).or_insert(Open {
             draw,
             rewards: BTreeMap::new(),
@@ -474,7 +506,7 @@ impl SourceStage {
         let row = PromptRow {
             run_id: self.ctx.run_id.clone(),
             problem_id: problem.id.clone(),
-            group_id: format!("{}-g{g:07}", self.ctx.run_id),
+            group_id: self.group_id(g),
             env: env.name().to_string(),
             step: self.step_of(g),
             group_size: self.cfg.group_size,
@@ -501,8 +533,8 @@ impl SourceStage {
                 break;
             }
             let (row, from) = self.group(self.state.next_group)?;
-            easy += (from == "easy") as u32;
-            hard += (from == "hard") as u32;
+            easy += (from == Origin::Easy) as u32;
+            hard += (from == Origin::Hard) as u32;
             rows.push(row);
             self.state.next_group += 1;
         }

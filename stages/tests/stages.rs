@@ -36,10 +36,14 @@ fn ctx(stage: &str, run_dir: &Path, outputs: &[(&str, SchemaId)]) -> Ctx {
 }
 
 fn batches<T: TopicRow>(out: &mut Emitter, topic: &str) -> Vec<T> {
-    out.drain()
-        .into_iter()
+    rows_in(&out.drain(), topic)
+}
+
+/// The rows of `topic` among drained outputs.
+fn rows_in<T: TopicRow>(out: &[(String, arrow::record_batch::RecordBatch)], topic: &str) -> Vec<T> {
+    out.iter()
         .filter(|(t, _)| t == topic)
-        .flat_map(|(_, b)| T::from_batch(&b).unwrap())
+        .flat_map(|(_, b)| T::from_batch(b).unwrap())
         .collect()
 }
 
@@ -200,15 +204,10 @@ async fn source_admits_groups_only_within_the_async_level_and_resumes_its_positi
         out.drain().is_empty(),
         "admitted before the trainer's version was known"
     );
-    let policy = |v: u32| PolicyRow {
-        run_id: "test".into(),
-        version: v,
-        step: v as u64,
-        uri: String::new(),
-        sha256: String::new(),
-        created_at: 0,
-    };
-    stage.process(input("policy", &[policy(0)]), &mut out).await.unwrap();
+    stage
+        .process(input("policy", &[policy_row(0)]), &mut out)
+        .await
+        .unwrap();
     let first: Vec<PromptRow> = batches(&mut out, "prompts");
     // Version 0 and async level 1: steps 0 and 1, three groups each.
     assert_eq!(first.iter().map(|p| p.step).collect::<Vec<_>>(), vec![0, 0, 0, 1, 1, 1]);
@@ -219,14 +218,20 @@ async fn source_admits_groups_only_within_the_async_level_and_resumes_its_positi
     );
     stage.tick(&mut out).await.unwrap();
     assert!(out.drain().is_empty(), "admitted past the async level");
-    stage.process(input("policy", &[policy(1)]), &mut out).await.unwrap();
+    stage
+        .process(input("policy", &[policy_row(1)]), &mut out)
+        .await
+        .unwrap();
     let second: Vec<PromptRow> = batches(&mut out, "prompts");
     assert_eq!(second.iter().map(|p| p.step).collect::<Vec<_>>(), vec![2, 2, 2]);
     // A restarted source continues where the snapshot says...
     let snap = stage.snapshot().unwrap();
     let mut again = SourceStage::build(cfg.clone(), c.clone()).unwrap();
     again.restore(&snap).unwrap();
-    again.process(input("policy", &[policy(5)]), &mut out).await.unwrap();
+    again
+        .process(input("policy", &[policy_row(5)]), &mut out)
+        .await
+        .unwrap();
     let third: Vec<PromptRow> = batches(&mut out, "prompts");
     assert_eq!(
         third.iter().map(|p| p.step).collect::<Vec<_>>(),
@@ -244,7 +249,10 @@ async fn source_admits_groups_only_within_the_async_level_and_resumes_its_positi
     // trained (lost with an in-process bus).
     let mut behind = SourceStage::build(cfg, c).unwrap();
     behind.restore(&snap).unwrap();
-    behind.process(input("policy", &[policy(1)]), &mut out).await.unwrap();
+    behind
+        .process(input("policy", &[policy_row(1)]), &mut out)
+        .await
+        .unwrap();
     let again_rows: Vec<PromptRow> = batches(&mut out, "prompts");
     assert_eq!(
         again_rows.iter().map(|p| p.step).collect::<Vec<_>>(),
@@ -279,9 +287,8 @@ fn scored_row(p: &PromptRow, i: u32, reward: f32) -> ScoredRow {
 }
 
 fn metric_values(out: &[(String, arrow::record_batch::RecordBatch)], name: &str) -> Vec<f64> {
-    out.iter()
-        .filter(|(t, _)| t == "metrics")
-        .flat_map(|(_, b)| streamrl_schemas::MetricRow::from_batch(b).unwrap())
+    rows_in::<streamrl_schemas::MetricRow>(out, "metrics")
+        .into_iter()
         .filter(|m| m.name == name)
         .map(|m| m.value)
         .collect()
@@ -364,11 +371,7 @@ async fn source_files_problems_into_difficulty_pools_by_group_reward_and_draws_f
         "drawn out of the pool"
     );
     assert_eq!(metric_values(&emitted, "hard_pool_size"), vec![1.0]);
-    let step1: Vec<PromptRow> = emitted
-        .iter()
-        .filter(|(t, _)| t == "prompts")
-        .flat_map(|(_, b)| PromptRow::from_batch(b).unwrap())
-        .collect();
+    let step1: Vec<PromptRow> = rows_in(&emitted, "prompts");
     assert_eq!(step1.len(), 4);
     let from_easy: Vec<_> = step1.iter().filter(|p| p.problem_id == step0[0].problem_id).collect();
     assert_eq!(from_easy.len(), 1, "the easy problem is asked again exactly once");
