@@ -94,7 +94,7 @@ pub async fn run(which: Which) -> Result<()> {
             python,
             rounds,
         } => crate::bench_sandbox::run(n, concurrency, pool_size, python, rounds.max(1)),
-        Which::Generate { tokens } => crate::bench_train::generate(tokens),
+        Which::Generate { tokens } => crate::bench_generate::generate(tokens),
         Which::Bus {
             kafka,
             rows_per_message,

@@ -2,11 +2,17 @@
 //! serve`.
 //!
 //! Every [`step`](Engine::step) admits waiting requests (up to `max_num_seqs` running and
-//! a KV-cache token budget), prefills the newcomers in one ragged forward, runs one decode
-//! step for every running sequence, and retires finished sequences at once: sequences join
-//! and leave the batch at every step. Newcomers are prefilled as a ragged batch (each into
-//! its own cache), then join the running batch's cache ([`BatchKv`]) as rows; a decode step
-//! writes every row's new keys and values with one scatter.
+//! a KV-cache token budget), prefills the newcomers, runs one decode step for every
+//! running sequence, and retires finished sequences at once: sequences join and leave the
+//! batch at every step.
+//!
+//! On the CPU (f32 weights) a step is one forward of the [CPU kernels](crate::infer): the
+//! running sequences' newest tokens and the newcomers' whole prompts are rows of the same
+//! matrix products, and every sequence owns its key/value buffer, so joining and leaving
+//! copy nothing. On other devices the engine uses candle ops: newcomers are prefilled as a
+//! ragged batch (each into its own cache), then join the running batch's cache
+//! ([`BatchKv`]) as rows; a decode step writes every row's new keys and values with one
+//! scatter.
 //!
 //! Every generated token carries its logprob under the temperature-scaled distribution
 //! (`log_softmax(logits / T)`, full vocabulary, before top-k/top-p truncation; greedy
@@ -36,6 +42,7 @@ use candle_core::Tensor;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::infer::{CpuModel, SeqKv};
 use crate::model::{BatchKv, KvCache, MASKED};
 use crate::{Error, Result, Tokenizer, Transformer, checkpoint};
 
@@ -51,8 +58,12 @@ pub struct EngineConfig {
     /// admitted when the batch has room).
     pub max_prefill_tokens: usize,
     /// While sequences are running, admit newcomers only once this many slots are free
-    /// (a prefill is a forward pass of its own; 1 admits at every step).
+    /// (on devices where a prefill is a forward pass of its own; 1 admits at every step).
+    /// The CPU kernels prefill inside the decode step's forward and always admit at once.
     pub min_prefill_batch: usize,
+    /// Run a model whose weights are f32 on the CPU on the [CPU kernels](crate::infer)
+    /// (default); false uses candle ops, as on every other device.
+    pub cpu_kernels: bool,
 }
 
 impl Default for EngineConfig {
@@ -62,6 +73,7 @@ impl Default for EngineConfig {
             max_kv_tokens: 1 << 20,
             max_prefill_tokens: 8192,
             min_prefill_batch: 4,
+            cpu_kernels: true,
         }
     }
 }
@@ -217,7 +229,10 @@ struct Seq {
     prompt: Vec<u32>,
     params: SamplingParams,
     rng: StdRng,
+    /// Candle path: the prompt's cache between prefill and joining the batch.
     cache: Option<KvCache>,
+    /// CPU kernels: this sequence's keys and values.
+    kv: Option<SeqKv>,
     tokens: Vec<u32>,
     logprobs: Vec<f32>,
     versions: Vec<u32>,
@@ -257,10 +272,28 @@ pub struct Engine {
     cfg: EngineConfig,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
-    /// The running sequences' keys and values, row r = running[r].
-    batch: BatchKv,
+    kernels: Kernels,
     next_id: u64,
     stats: EngineStats,
+}
+
+/// How the engine evaluates the model.
+enum Kernels {
+    /// The CPU kernels: one mixed prefill + decode forward per step.
+    Cpu(Box<CpuModel>),
+    /// candle ops (any device): a ragged prefill, then a batched decode whose keys and
+    /// values are the rows of `BatchKv` (row r = running[r]).
+    Candle(BatchKv),
+}
+
+impl Kernels {
+    fn for_model(model: &Transformer, cpu_kernels: bool) -> Kernels {
+        match cpu_kernels.then(|| CpuModel::new(model)) {
+            Some(Ok(c)) => Kernels::Cpu(Box::new(c)),
+            // Asked for candle, or not f32 on the CPU: candle ops serve it.
+            _ => Kernels::Candle(BatchKv::default()),
+        }
+    }
 }
 
 fn now_ms() -> i64 {
@@ -275,15 +308,24 @@ impl Engine {
     /// are not checked and `text` is empty.
     pub fn new(model: Transformer, version: u32, tokenizer: Option<Tokenizer>, cfg: EngineConfig) -> Self {
         Engine {
+            kernels: Kernels::for_model(&model, cfg.cpu_kernels),
             model,
             version,
             tokenizer,
             cfg,
             waiting: VecDeque::new(),
             running: Vec::new(),
-            batch: BatchKv::default(),
             next_id: 0,
             stats: EngineStats::default(),
+        }
+    }
+
+    /// Which kernels run the model: `"cpu"` (the [CPU kernels](crate::infer)) or
+    /// `"candle"` (candle ops).
+    pub fn kernels(&self) -> &'static str {
+        match self.kernels {
+            Kernels::Cpu(_) => "cpu",
+            Kernels::Candle(_) => "candle",
         }
     }
 
@@ -359,6 +401,7 @@ impl Engine {
             prompt,
             params,
             cache: None,
+            kv: None,
             tokens: Vec::new(),
             logprobs: Vec::new(),
             versions: Vec::new(),
@@ -378,10 +421,12 @@ impl Engine {
         }
         let i = self.running.iter().position(|s| s.id == id)?;
         let s = self.running.remove(i);
-        let keep: Vec<u32> = (0..self.batch.rows() as u32).filter(|r| *r as usize != i).collect();
-        if let Err(e) = self.batch.keep(&keep) {
-            // Cannot happen for in-range rows; never leave rows and sequences out of step.
-            panic!("dropping row {i} of the batch cache: {e}");
+        if let Kernels::Candle(batch) = &mut self.kernels {
+            let keep: Vec<u32> = (0..batch.rows() as u32).filter(|r| *r as usize != i).collect();
+            if let Err(e) = batch.keep(&keep) {
+                // Cannot happen for in-range rows; never leave rows and sequences out of step.
+                panic!("dropping row {i} of the batch cache: {e}");
+            }
         }
         Some(self.finish(s, FinishReason::Cancelled))
     }
@@ -406,6 +451,9 @@ impl Engine {
                 a.head_dim,
                 a.d_model
             )));
+        }
+        if let Kernels::Cpu(k) = &mut self.kernels {
+            **k = CpuModel::new(&model)?;
         }
         self.model = model;
         self.version = version;
@@ -447,6 +495,10 @@ impl Engine {
     pub fn step(&mut self) -> Result<Vec<Event>> {
         let mut events = Vec::new();
         self.stats.steps += 1;
+        if matches!(self.kernels, Kernels::Cpu(_)) {
+            self.step_cpu(&mut events)?;
+            return Ok(events);
+        }
         // Decode first for the sequences already running, then admit: a newcomer's first
         // token comes from its prefill, so it joins the decode batch from the next step.
         if !self.running.is_empty() {
@@ -459,12 +511,72 @@ impl Engine {
         Ok(events)
     }
 
+    /// One step on the CPU kernels: the running sequences' newest tokens and the
+    /// newcomers' prompts go through one forward; every one of them gets its next token.
+    fn step_cpu(&mut self, events: &mut Vec<Event>) -> Result<()> {
+        let admitted = self.admit();
+        let Kernels::Cpu(cpu) = &self.kernels else {
+            unreachable!("step_cpu runs on the CPU kernels")
+        };
+        let mut seqs = std::mem::take(&mut self.running);
+        let decoding = seqs.len();
+        let started = now_ms();
+        let ctx = self.model.config().max_positions;
+        for mut s in admitted {
+            s.kv = Some(cpu.new_kv(s.budget().min(ctx)));
+            s.started_at = started;
+            seqs.push(s);
+        }
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        let logits = {
+            let mut entries: Vec<(&mut SeqKv, &[u32])> = seqs
+                .iter_mut()
+                .map(|s| {
+                    let Seq { kv, prompt, tokens, .. } = s;
+                    let new: &[u32] = match tokens.last() {
+                        Some(t) => std::slice::from_ref(t),
+                        None => prompt,
+                    };
+                    (kv.as_mut().expect("CPU sequences have a cache"), new)
+                })
+                .collect();
+            cpu.forward(&mut entries)
+        };
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                // Nothing was cached (the kernels check before they write): put everyone back.
+                let newcomers = seqs.split_off(decoding);
+                self.running = seqs;
+                for mut s in newcomers.into_iter().rev() {
+                    s.kv = None;
+                    self.waiting.push_front(s);
+                }
+                return Err(e);
+            }
+        };
+        self.stats.prefilled += seqs[decoding..].iter().map(|s| s.prompt.len() as u64).sum::<u64>();
+        if decoding > 0 {
+            self.stats.decode_steps += 1;
+            self.stats.batch_rows += decoding as u64;
+        }
+        let v = self.model.config().vocab;
+        let rows = logits.chunks_exact(v).map(<[f32]>::to_vec).collect();
+        self.running = self.advance(seqs, rows, events)?.into_iter().map(|(_, s)| s).collect();
+        Ok(())
+    }
+
     fn admit(&mut self) -> Vec<Seq> {
-        // A prefill is a forward pass of its own: with sequences running, wait until enough
-        // slots are free to amortise it over several newcomers (or nothing else is waiting
-        // to fill them anyway).
+        // On candle a prefill is a forward pass of its own: with sequences running, wait
+        // until enough slots are free to amortise it over several newcomers (or nothing
+        // else is waiting to fill them anyway).
         let free = self.cfg.max_num_seqs.saturating_sub(self.running.len());
-        let min_batch = self.cfg.min_prefill_batch.clamp(1, self.cfg.max_num_seqs);
+        let min_batch = match self.kernels {
+            Kernels::Cpu(_) => 1,
+            Kernels::Candle(_) => self.cfg.min_prefill_batch.clamp(1, self.cfg.max_num_seqs),
+        };
         if !self.running.is_empty() && free < min_batch && self.waiting.len() >= min_batch {
             return Vec::new();
         }
@@ -544,7 +656,10 @@ impl Engine {
                 .iter()
                 .map(|(_, s)| s.cache.as_ref().expect("prefilled sequences have a cache"))
                 .collect();
-            self.batch.push(&caches, cap)?;
+            let Kernels::Candle(batch) = &mut self.kernels else {
+                unreachable!("prefill runs on candle")
+            };
+            batch.push(&caches, cap)?;
         }
         for (_, s) in joined.iter_mut() {
             s.cache = None;
@@ -572,11 +687,14 @@ impl Engine {
         for (r, p) in positions.iter().enumerate() {
             mask[r * width..r * width + *p as usize + 1].fill(0.0);
         }
+        let Kernels::Candle(batch) = &mut self.kernels else {
+            unreachable!("decode runs on candle")
+        };
         let logits = self.model.forward_batched(
             &Tensor::from_vec(tokens, (b, 1), &dev)?,
             &Tensor::from_vec(positions, (b, 1), &dev)?,
             &Tensor::from_vec(mask, (b, 1, 1, width), &dev)?,
-            &self.batch,
+            batch,
             width,
         )?;
         let rows = logits.squeeze(1)?.to_vec2::<f32>()?;
@@ -584,7 +702,9 @@ impl Engine {
         self.stats.batch_rows += b as u64;
         let kept = self.advance(seqs, rows, events)?;
         let idx: Vec<u32> = kept.iter().map(|(r, _)| *r as u32).collect();
-        self.batch.keep(&idx)?;
+        if let Kernels::Candle(batch) = &mut self.kernels {
+            batch.keep(&idx)?;
+        }
         self.running = kept.into_iter().map(|(_, s)| s).collect();
         Ok(())
     }

@@ -25,6 +25,7 @@ pub mod engine;
 mod error;
 pub mod generate;
 pub mod gguf;
+pub mod infer;
 pub mod loss;
 pub mod model;
 pub mod optim;

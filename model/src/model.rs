@@ -11,8 +11,8 @@ use crate::{Error, Result};
 /// `x @ w^T (+ b)` for x of any rank ≥ 2.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    w: Tensor,
-    b: Option<Tensor>,
+    pub(crate) w: Tensor,
+    pub(crate) b: Option<Tensor>,
 }
 
 impl Linear {
@@ -57,8 +57,8 @@ fn matmul_t(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 /// RMSNorm from basic ops.
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
-    w: Tensor,
-    eps: f64,
+    pub(crate) w: Tensor,
+    pub(crate) eps: f64,
 }
 
 impl RmsNorm {
@@ -79,10 +79,10 @@ impl Module for RmsNorm {
 
 /// Rotary position embedding tables.
 #[derive(Debug, Clone)]
-struct Rope {
-    cos: Tensor,
-    sin: Tensor,
-    layout: RopeLayout,
+pub(crate) struct Rope {
+    pub(crate) cos: Tensor,
+    pub(crate) sin: Tensor,
+    pub(crate) layout: RopeLayout,
 }
 
 impl Rope {
@@ -138,16 +138,16 @@ impl Rope {
 
 /// Grouped-query self-attention.
 #[derive(Debug, Clone)]
-struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    q_norm: Option<RmsNorm>,
-    k_norm: Option<RmsNorm>,
-    n_heads: usize,
-    n_kv: usize,
-    hd: usize,
+pub(crate) struct Attention {
+    pub(crate) q: Linear,
+    pub(crate) k: Linear,
+    pub(crate) v: Linear,
+    pub(crate) o: Linear,
+    pub(crate) q_norm: Option<RmsNorm>,
+    pub(crate) k_norm: Option<RmsNorm>,
+    pub(crate) n_heads: usize,
+    pub(crate) n_kv: usize,
+    pub(crate) hd: usize,
 }
 
 impl Attention {
@@ -266,10 +266,10 @@ impl Attention {
 
 /// SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
 #[derive(Debug, Clone)]
-struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+pub(crate) struct Mlp {
+    pub(crate) gate: Linear,
+    pub(crate) up: Linear,
+    pub(crate) down: Linear,
 }
 
 impl Mlp {
@@ -300,11 +300,11 @@ pub struct MoeStats {
 
 /// Mixture-of-experts feed-forward: router, top-k experts per token, optional shared expert.
 #[derive(Debug, Clone)]
-struct Moe {
-    router: Linear,
-    experts: Vec<Mlp>,
-    shared: Option<(Mlp, Linear)>,
-    cfg: MoeConfig,
+pub(crate) struct Moe {
+    pub(crate) router: Linear,
+    pub(crate) experts: Vec<Mlp>,
+    pub(crate) shared: Option<(Mlp, Linear)>,
+    pub(crate) cfg: MoeConfig,
 }
 
 impl Moe {
@@ -391,17 +391,17 @@ impl Moe {
 }
 
 #[derive(Debug, Clone)]
-enum FeedForward {
+pub(crate) enum FeedForward {
     Dense(Mlp),
     Moe(Moe),
 }
 
 #[derive(Debug, Clone)]
-struct Block {
-    attn_norm: RmsNorm,
-    attn: Attention,
-    ff_norm: RmsNorm,
-    ff: FeedForward,
+pub(crate) struct Block {
+    pub(crate) attn_norm: RmsNorm,
+    pub(crate) attn: Attention,
+    pub(crate) ff_norm: RmsNorm,
+    pub(crate) ff: FeedForward,
 }
 
 impl Block {
@@ -486,13 +486,13 @@ pub struct Aux {
 /// The decoder-only transformer.
 #[derive(Debug, Clone)]
 pub struct Transformer {
-    cfg: Config,
-    embed: Tensor,
-    blocks: Vec<Block>,
-    norm: RmsNorm,
-    head: Option<Linear>,
-    rope: Rope,
-    device: Device,
+    pub(crate) cfg: Config,
+    pub(crate) embed: Tensor,
+    pub(crate) blocks: Vec<Block>,
+    pub(crate) norm: RmsNorm,
+    pub(crate) head: Option<Linear>,
+    pub(crate) rope: Rope,
+    pub(crate) device: Device,
 }
 
 impl Transformer {

@@ -1,5 +1,7 @@
 //! The continuous-batching engine: batching changes nothing about what a request gets,
-//! logprobs match a recompute, weight swaps are clean, stops behave.
+//! logprobs match a recompute, weight swaps are clean, stops behave. The suite runs twice:
+//! on the CPU kernels (`cpu_kernels::`) and on candle ops (`candle_ops::`, the path every
+//! other device takes).
 
 use candle_core::Device;
 use streamrl_model::engine::{Engine, EngineConfig, FinishReason, Output, SamplingParams};
@@ -11,13 +13,14 @@ fn model(seed: u64) -> Transformer {
     checkpoint::init_seeded(&hf, &Device::Cpu, Some(seed)).unwrap().model
 }
 
-fn engine(seed: u64, max_num_seqs: usize) -> Engine {
+fn engine(cpu_kernels: bool, seed: u64, max_num_seqs: usize) -> Engine {
     Engine::new(
         model(seed),
         0,
         Some(Tokenizer::char_level()),
         EngineConfig {
             max_num_seqs,
+            cpu_kernels,
             ..Default::default()
         },
     )
@@ -49,11 +52,11 @@ fn by_id(mut outs: Vec<Output>) -> Vec<Output> {
     outs
 }
 
-#[test]
-fn continuous_batching_gives_every_request_what_it_gets_alone() {
+fn continuous_batching_gives_every_request_what_it_gets_alone(k: bool) {
     for temperature in [0.0, 0.8] {
         // Three slots for six requests: sequences join as others finish.
-        let mut batched = engine(1, 3);
+        let mut batched = engine(k, 1, 3);
+        assert_eq!(batched.kernels(), if k { "cpu" } else { "candle" });
         for (i, p) in prompts().into_iter().enumerate() {
             batched.add(p, params(i, temperature)).unwrap();
         }
@@ -71,7 +74,7 @@ fn continuous_batching_gives_every_request_what_it_gets_alone() {
         assert_eq!(max_running, 3);
         assert!(batched.stats().decode_steps > 0);
         for (i, p) in prompts().into_iter().enumerate() {
-            let mut alone = engine(1, 1);
+            let mut alone = engine(k, 1, 1);
             alone.add(p, params(i, temperature)).unwrap();
             let a = alone.run_to_completion().unwrap().remove(0);
             let b = &outs[i];
@@ -85,10 +88,9 @@ fn continuous_batching_gives_every_request_what_it_gets_alone() {
     }
 }
 
-#[test]
-fn sampled_logprobs_equal_a_full_recompute() {
+fn sampled_logprobs_equal_a_full_recompute(k: bool) {
     let temperature = 0.7;
-    let mut e = engine(2, 4);
+    let mut e = engine(k, 2, 4);
     for (i, p) in prompts().into_iter().enumerate() {
         e.add(p, params(i, temperature)).unwrap();
     }
@@ -115,11 +117,10 @@ fn sampled_logprobs_equal_a_full_recompute() {
     }
 }
 
-#[test]
-fn a_weight_swap_changes_versions_from_that_token_on_and_nothing_before() {
+fn a_weight_swap_changes_versions_from_that_token_on_and_nothing_before(k: bool) {
     let steps_before = 4;
     let run = |swap: bool| {
-        let mut e = engine(3, 8);
+        let mut e = engine(k, 3, 8);
         for (i, p) in prompts().into_iter().enumerate() {
             e.add(
                 p,
@@ -163,8 +164,7 @@ fn a_weight_swap_changes_versions_from_that_token_on_and_nothing_before() {
     );
 }
 
-#[test]
-fn a_failed_weight_load_keeps_the_old_weights_serving() {
+fn a_failed_weight_load_keeps_the_old_weights_serving(k: bool) {
     let dir = tempfile::tempdir().unwrap();
     let tok = Tokenizer::char_level();
     let good = dir.path().join("v1");
@@ -176,7 +176,7 @@ fn a_failed_weight_load_keeps_the_old_weights_serving() {
     let s = checkpoint::init_seeded(&hf_small, &Device::Cpu, Some(9)).unwrap();
     checkpoint::save(&wrong_shape, &hf_small, &s.vars, Some(&tok), None).unwrap();
 
-    let mut e = engine(5, 2);
+    let mut e = engine(k, 5, 2);
     let p = prompts()[1].clone();
     let greedy = SamplingParams {
         temperature: 0.0,
@@ -210,8 +210,7 @@ fn a_failed_weight_load_keeps_the_old_weights_serving() {
     assert!(after.versions.iter().all(|v| *v == 1));
 }
 
-#[test]
-fn stop_strings_tool_markers_stop_tokens_and_max_tokens() {
+fn stop_strings_tool_markers_stop_tokens_and_max_tokens(k: bool) {
     let tok = Tokenizer::char_level();
     let p = prompts()[3].clone();
     let greedy = |max_tokens| SamplingParams {
@@ -220,7 +219,7 @@ fn stop_strings_tool_markers_stop_tokens_and_max_tokens() {
         ignore_eos: true,
         ..Default::default()
     };
-    let mut e = engine(6, 4);
+    let mut e = engine(k, 6, 4);
     e.add(p.clone(), greedy(16)).unwrap();
     let full = e.run_to_completion().unwrap().remove(0);
     assert_eq!(full.tokens.len(), 16);
@@ -291,9 +290,8 @@ fn stop_strings_tool_markers_stop_tokens_and_max_tokens() {
     assert!(!e.has_work());
 }
 
-#[test]
-fn bad_requests_are_refused_with_every_reason() {
-    let mut e = engine(7, 2);
+fn bad_requests_are_refused_with_every_reason(k: bool) {
+    let mut e = engine(k, 7, 2);
     let err = e
         .add(
             vec![],
@@ -313,9 +311,8 @@ fn bad_requests_are_refused_with_every_reason() {
     assert!(err.contains("5000") && err.contains("vocabulary"), "{err}");
 }
 
-#[test]
-fn cancelling_one_running_sequence_leaves_the_others_untouched() {
-    let mut e = engine(8, 4);
+fn cancelling_one_running_sequence_leaves_the_others_untouched(k: bool) {
+    let mut e = engine(k, 8, 4);
     let ids: Vec<u64> = prompts()
         .into_iter()
         .take(3)
@@ -337,7 +334,7 @@ fn cancelling_one_running_sequence_leaves_the_others_untouched() {
     assert_eq!((c.tokens.len(), c.finish_reason), (2, FinishReason::Cancelled));
     let outs = by_id(e.run_to_completion().unwrap());
     for (o, i) in outs.iter().zip([0usize, 2]) {
-        let mut alone = engine(8, 1);
+        let mut alone = engine(k, 8, 1);
         alone
             .add(
                 prompts()[i].clone(),
@@ -350,3 +347,30 @@ fn cancelling_one_running_sequence_leaves_the_others_untouched() {
         assert_eq!(alone.run_to_completion().unwrap()[0].tokens, o.tokens, "request {i}");
     }
 }
+
+macro_rules! suite {
+    ($($name:ident),* $(,)?) => {
+        mod cpu_kernels {
+            $(#[test]
+            fn $name() {
+                super::$name(true)
+            })*
+        }
+        mod candle_ops {
+            $(#[test]
+            fn $name() {
+                super::$name(false)
+            })*
+        }
+    };
+}
+
+suite!(
+    continuous_batching_gives_every_request_what_it_gets_alone,
+    sampled_logprobs_equal_a_full_recompute,
+    a_weight_swap_changes_versions_from_that_token_on_and_nothing_before,
+    a_failed_weight_load_keeps_the_old_weights_serving,
+    stop_strings_tool_markers_stop_tokens_and_max_tokens,
+    bad_requests_are_refused_with_every_reason,
+    cancelling_one_running_sequence_leaves_the_others_untouched,
+);

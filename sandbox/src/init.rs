@@ -16,11 +16,12 @@
 //!    `kill(-1, SIGKILL)` removes every process left in the namespace, so nothing a
 //!    command starts outlives it.
 
+use std::collections::BTreeMap;
+use std::ffi::CString;
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use crate::protocol::{ExecRequest, InitConfig, RawExec, Request, Response, read_frame, write_frame};
@@ -357,6 +358,61 @@ fn read_file(p: &Path, max: u64) -> io::Result<Vec<u8>> {
     Ok(v)
 }
 
+/// The command's program (looked up on its `PATH`), arguments, environment, directory,
+/// limits, identity and seccomp filter, ready for [`sys::spawn`].
+fn spawn_spec(cfg: &InitConfig, req: &ExecRequest) -> io::Result<sys::SpawnSpec> {
+    let c = |s: &str, what: &str| {
+        CString::new(s).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, format!("NUL byte in {what}")))
+    };
+    let mut env: BTreeMap<&str, &str> = [
+        ("PATH", "/usr/local/bin:/usr/bin:/bin"),
+        ("HOME", "/work"),
+        ("TMPDIR", "/tmp"),
+        ("LANG", "C.UTF-8"),
+    ]
+    .into_iter()
+    .collect();
+    for (k, v) in &req.env {
+        env.insert(k, v);
+    }
+    let prog = &req.argv[0];
+    let path = if prog.contains('/') {
+        prog.clone()
+    } else {
+        env["PATH"]
+            .split(':')
+            .map(|d| format!("{}/{prog}", if d.is_empty() { "." } else { d }))
+            .find(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "No such file or directory (os error 2)"))?
+    };
+    let l = req.limits;
+    Ok(sys::SpawnSpec {
+        path: c(&path, "the program")?,
+        argv: req
+            .argv
+            .iter()
+            .map(|a| c(a, "an argument"))
+            .collect::<io::Result<_>>()?,
+        envp: env
+            .iter()
+            .map(|(k, v)| c(&format!("{k}={v}"), "the environment"))
+            .collect::<io::Result<_>>()?,
+        cwd: c(req.cwd.as_deref().unwrap_or("/work"), "the working directory")?,
+        rlimits: [
+            (libc::RLIMIT_CPU, l.cpu_secs, l.cpu_secs + 1),
+            (libc::RLIMIT_AS, l.address_space_bytes, l.address_space_bytes),
+            (libc::RLIMIT_FSIZE, l.file_size_bytes, l.file_size_bytes),
+            (libc::RLIMIT_NOFILE, l.open_files, l.open_files),
+            (libc::RLIMIT_CORE, 0, 0),
+        ]
+        .into_iter()
+        .chain(cfg.run_as.map(|_| (libc::RLIMIT_NPROC, l.processes, l.processes)))
+        .collect(),
+        run_as: cfg.run_as,
+        filter: seccomp::filter(),
+    })
+}
+
 fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
     let started = Instant::now();
     let cpu_before = sys::children_cpu_ms();
@@ -377,38 +433,16 @@ fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
         return raw;
     }
     let l = req.limits;
-    let mut cmd = Command::new(&req.argv[0]);
-    cmd.args(&req.argv[1..])
-        .env_clear()
-        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
-        .env("HOME", "/work")
-        .env("TMPDIR", "/tmp")
-        .env("LANG", "C.UTF-8")
-        .envs(&req.env)
-        .current_dir(req.cwd.as_deref().unwrap_or("/work"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let run_as = cfg.run_as;
-    let filter = seccomp::filter();
-    sys::pre_exec(&mut cmd, move || {
-        sys::setsid()?;
-        sys::setrlimit2(libc::RLIMIT_CPU, l.cpu_secs, l.cpu_secs + 1)?;
-        sys::setrlimit(libc::RLIMIT_AS, l.address_space_bytes)?;
-        sys::setrlimit(libc::RLIMIT_FSIZE, l.file_size_bytes)?;
-        sys::setrlimit(libc::RLIMIT_NOFILE, l.open_files)?;
-        sys::setrlimit(libc::RLIMIT_CORE, 0)?;
-        match run_as {
-            Some(uid) => {
-                sys::setrlimit(libc::RLIMIT_NPROC, l.processes)?;
-                sys::drop_to(uid, uid)?;
-            }
-            None => sys::drop_all_capabilities()?,
+    let spec = match spawn_spec(cfg, req) {
+        Ok(s) => s,
+        Err(e) => {
+            raw.exit_code = Some(127);
+            raw.spawn_error = Some(format!("cannot run `{}`: {e}", req.argv[0]));
+            raw.stderr = raw.spawn_error.clone().unwrap_or_default();
+            return raw;
         }
-        sys::set_no_new_privs()?;
-        sys::seccomp_install(&filter)
-    });
-    let mut child = match cmd.spawn() {
+    };
+    let child = match sys::spawn(&spec) {
         Ok(c) => c,
         Err(e) => {
             raw.exit_code = Some(127);
@@ -417,11 +451,11 @@ fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
             return raw;
         }
     };
-    let pid = child.id() as libc::pid_t;
+    let pid = child.pid;
     let pidfd = sys::pidfd_open(pid).ok();
-    let mut cin = child.stdin.take();
-    let mut cout = child.stdout.take().expect("piped");
-    let mut cerr = child.stderr.take().expect("piped");
+    let mut cin = Some(std::fs::File::from(child.stdin));
+    let mut cout = std::fs::File::from(child.stdout);
+    let mut cerr = std::fs::File::from(child.stderr);
     for fd in [cout.as_raw_fd(), cerr.as_raw_fd()]
         .into_iter()
         .chain(cin.as_ref().map(|c| c.as_raw_fd()))

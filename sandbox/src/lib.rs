@@ -137,7 +137,7 @@ impl Default for SandboxConfig {
             limits: Limits::default(),
             cgroups: CgroupMode::Auto,
             uid_base: 200_000,
-            reuse: 32,
+            reuse: 256,
         }
     }
 }

@@ -118,55 +118,10 @@ pub fn sethostname(name: &str) -> io::Result<()> {
     check(unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) }).map(|_| ())
 }
 
-/// `setrlimit(2)` with soft = hard = `value`.
-pub fn setrlimit(resource: libc::__rlimit_resource_t, value: u64) -> io::Result<()> {
-    let lim = libc::rlimit {
-        rlim_cur: value,
-        rlim_max: value,
-    };
-    // SAFETY: pointer to a live struct.
-    check(unsafe { libc::setrlimit(resource, &lim) }).map(|_| ())
-}
-
-/// `setrlimit(2)` with separate soft and hard values.
-pub fn setrlimit2(resource: libc::__rlimit_resource_t, soft: u64, hard: u64) -> io::Result<()> {
-    let lim = libc::rlimit {
-        rlim_cur: soft,
-        rlim_max: hard,
-    };
-    // SAFETY: pointer to a live struct.
-    check(unsafe { libc::setrlimit(resource, &lim) }).map(|_| ())
-}
-
 /// `prctl(PR_SET_PDEATHSIG, sig)`.
 pub fn set_parent_death_signal(sig: libc::c_int) -> io::Result<()> {
     // SAFETY: integer arguments only.
     check(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, sig as libc::c_ulong, 0, 0, 0) }).map(|_| ())
-}
-
-/// `prctl(PR_SET_NO_NEW_PRIVS, 1)`.
-pub fn set_no_new_privs() -> io::Result<()> {
-    // SAFETY: integer arguments only.
-    check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }).map(|_| ())
-}
-
-/// Installs a classic-BPF seccomp filter on the calling thread.
-pub fn seccomp_install(filter: &[libc::sock_filter]) -> io::Result<()> {
-    let prog = libc::sock_fprog {
-        len: filter.len() as u16,
-        filter: filter.as_ptr().cast_mut(),
-    };
-    // SAFETY: prog points at a live filter array of the stated length.
-    check(unsafe {
-        libc::prctl(
-            libc::PR_SET_SECCOMP,
-            libc::SECCOMP_MODE_FILTER as libc::c_ulong,
-            &prog as *const _ as libc::c_ulong,
-            0,
-            0,
-        )
-    })
-    .map(|_| ())
 }
 
 /// Drops to `uid`/`gid` with no supplementary groups.
@@ -215,12 +170,6 @@ pub fn drop_all_capabilities() -> io::Result<()> {
     } else {
         Ok(())
     }
-}
-
-/// `setsid(2)`.
-pub fn setsid() -> io::Result<()> {
-    // SAFETY: no arguments.
-    check(unsafe { libc::setsid() }).map(|_| ())
 }
 
 /// `kill(2)`.
@@ -315,17 +264,6 @@ pub fn set_nonblocking(fd: RawFd) -> io::Result<()> {
     check(unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) }).map(|_| ())
 }
 
-/// Adds a hook to a [`std::process::Command`] that runs in the child between fork and
-/// exec. The hook must only make async-signal-safe calls (the callers here use raw
-/// system calls and no allocation).
-pub fn pre_exec(cmd: &mut std::process::Command, f: impl FnMut() -> io::Result<()> + Send + Sync + 'static) {
-    use std::os::unix::process::CommandExt;
-    // SAFETY: the hooks passed here only call the system-call wrappers of this module.
-    unsafe {
-        cmd.pre_exec(f);
-    }
-}
-
 /// The effective uid of this process.
 pub fn geteuid() -> u32 {
     // SAFETY: no arguments.
@@ -405,4 +343,252 @@ pub fn kill_and_reap_all(limit: std::time::Duration) -> bool {
         unsafe { libc::kill(-1, libc::SIGKILL) };
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
+}
+
+/// What the child does between `clone` and `execve` (see [`spawn`]).
+pub struct SpawnSpec {
+    /// The program (already looked up on `PATH`).
+    pub path: CString,
+    /// Its arguments, `argv[0]` first.
+    pub argv: Vec<CString>,
+    /// Its whole environment, `KEY=VALUE`.
+    pub envp: Vec<CString>,
+    /// Its working directory.
+    pub cwd: CString,
+    /// `(resource, soft, hard)` limits.
+    pub rlimits: Vec<(libc::__rlimit_resource_t, u64, u64)>,
+    /// Drop to this uid/gid; `None`: stay uid 0 and drop every capability.
+    pub run_as: Option<libc::uid_t>,
+    /// The seccomp filter installed last.
+    pub filter: Vec<libc::sock_filter>,
+}
+
+/// A spawned child and the host ends of its standard streams.
+pub struct Spawned {
+    /// Its pid.
+    pub pid: libc::pid_t,
+    /// Write end of its stdin.
+    pub stdin: std::os::fd::OwnedFd,
+    /// Read end of its stdout.
+    pub stdout: std::os::fd::OwnedFd,
+    /// Read end of its stderr.
+    pub stderr: std::os::fd::OwnedFd,
+}
+
+/// The steps of the child, in order; a failing step is reported by its index.
+const SPAWN_STEPS: [&str; 8] = [
+    "set up stdio",
+    "chdir",
+    "setsid",
+    "setrlimit",
+    "drop privileges",
+    "no_new_privs",
+    "install the seccomp filter",
+    "exec",
+];
+
+struct ChildArgs<'a> {
+    spec: &'a SpawnSpec,
+    argv: Vec<*const libc::c_char>,
+    envp: Vec<*const libc::c_char>,
+    /// Child ends: stdin read, stdout write, stderr write, error-report write.
+    fds: [RawFd; 4],
+}
+
+fn pipe() -> io::Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)> {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0; 2];
+    // SAFETY: out-pointer to a live two-element array; on success both fds are ours.
+    check(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) })?;
+    // SAFETY: fresh descriptors nobody else owns.
+    Ok(unsafe {
+        (
+            std::os::fd::OwnedFd::from_raw_fd(fds[0]),
+            std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+        )
+    })
+}
+
+/// Starts `spec` the way `posix_spawn` does: `clone(CLONE_VM | CLONE_VFORK)`, so the
+/// child borrows this process's memory until it execs instead of copying its page tables
+/// (a `fork` of the init costs about as much as the rest of an exec). The child runs only
+/// raw system calls: stdio onto pipes, chdir, a new session, rlimits, the unprivileged
+/// ids (or no capabilities), `no_new_privs`, the seccomp filter, `execve`. A step that
+/// fails is reported through a close-on-exec pipe and the child exits with 127.
+pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
+    use std::os::fd::AsRawFd;
+    let (in_r, in_w) = pipe()?;
+    let (out_r, out_w) = pipe()?;
+    let (err_r, err_w) = pipe()?;
+    let (rep_r, rep_w) = pipe()?;
+    let nul_terminated = |v: &[CString]| -> Vec<*const libc::c_char> {
+        v.iter()
+            .map(|s| s.as_ptr())
+            .chain(std::iter::once(std::ptr::null()))
+            .collect()
+    };
+    let args = ChildArgs {
+        spec,
+        argv: nul_terminated(&spec.argv),
+        envp: nul_terminated(&spec.envp),
+        fds: [
+            in_r.as_raw_fd(),
+            out_w.as_raw_fd(),
+            err_w.as_raw_fd(),
+            rep_w.as_raw_fd(),
+        ],
+    };
+    let mut stack = vec![0u8; 256 << 10];
+    // The stack grows down from its 16-byte-aligned end.
+    let top = (stack.as_mut_ptr() as usize + stack.len()) & !15;
+    // Signals stay blocked across the clone so that no handler of ours runs on the
+    // borrowed memory; the child unblocks them just before it execs.
+    // SAFETY: sigset out-pointers to live locals.
+    let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
+    let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
+    unsafe {
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
+    }
+    // SAFETY: `child` only reads `args` (alive until clone returns: with CLONE_VFORK this
+    // thread is suspended until the child has exec'd or exited) and makes raw system
+    // calls; it runs on `stack`, which outlives it for the same reason.
+    let pid = unsafe {
+        libc::clone(
+            child,
+            top as *mut libc::c_void,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            &args as *const ChildArgs as *mut libc::c_void,
+        )
+    };
+    let clone_err = io::Error::last_os_error();
+    // SAFETY: restores the mask saved above.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+    drop(stack);
+    if pid == -1 {
+        return Err(clone_err);
+    }
+    drop((in_r, out_w, err_w, rep_w));
+    // The report pipe is empty (closed by the exec) on success.
+    let mut report = [0u8; 5];
+    let mut got = 0;
+    while got < report.len() {
+        // SAFETY: reading into the unfilled tail of a live buffer.
+        let n = unsafe { libc::read(rep_r.as_raw_fd(), report[got..].as_mut_ptr().cast(), report.len() - got) };
+        if n == -1 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+            continue;
+        }
+        if n <= 0 {
+            break;
+        }
+        got += n as usize;
+    }
+    if got == report.len() {
+        let _ = wait_blocking(pid);
+        let step = SPAWN_STEPS.get(report[0] as usize).copied().unwrap_or("spawn");
+        let errno = i32::from_ne_bytes([report[1], report[2], report[3], report[4]]);
+        let e = io::Error::from_raw_os_error(errno);
+        return Err(if step == "exec" {
+            e
+        } else {
+            io::Error::new(e.kind(), format!("{step}: {e}"))
+        });
+    }
+    Ok(Spawned {
+        pid,
+        stdin: in_w,
+        stdout: out_r,
+        stderr: err_r,
+    })
+}
+
+/// The child half of [`spawn`]: raw system calls only (it shares the parent's memory).
+extern "C" fn child(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` is the `ChildArgs` the parent keeps alive while this runs.
+    let a = unsafe { &*(arg as *const ChildArgs) };
+    let s = a.spec;
+    let [stdin, stdout, stderr, report] = a.fds;
+    let fail = |step: u8| -> libc::c_int {
+        // SAFETY: errno location of this thread; write of a live local buffer; _exit.
+        unsafe {
+            let errno = *libc::__errno_location();
+            let mut msg = [step, 0, 0, 0, 0];
+            msg[1..].copy_from_slice(&errno.to_ne_bytes());
+            libc::write(report, msg.as_ptr().cast(), msg.len());
+            libc::_exit(127)
+        }
+    };
+    // SAFETY (every call below): system calls on integers and on pointers into the
+    // parent's live, immutable data.
+    unsafe {
+        for (fd, to) in [(stdin, 0), (stdout, 1), (stderr, 2)] {
+            if libc::dup2(fd, to) == -1 {
+                return fail(0);
+            }
+        }
+        if libc::chdir(s.cwd.as_ptr()) == -1 {
+            return fail(1);
+        }
+        if libc::setsid() == -1 {
+            return fail(2);
+        }
+        for &(res, soft, hard) in &s.rlimits {
+            let lim = libc::rlimit {
+                rlim_cur: soft,
+                rlim_max: hard,
+            };
+            if libc::setrlimit(res, &lim) == -1 {
+                return fail(3);
+            }
+        }
+        match s.run_as {
+            // Raw system calls: glibc's set*id wrappers would signal the threads of the
+            // process whose memory this child borrows.
+            Some(id) => {
+                if libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) == -1
+                    || libc::syscall(libc::SYS_setresgid, id, id, id) == -1
+                    || libc::syscall(libc::SYS_setresuid, id, id, id) == -1
+                {
+                    return fail(4);
+                }
+            }
+            None => {
+                if drop_all_capabilities().is_err() {
+                    return fail(4);
+                }
+            }
+        }
+        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == -1 {
+            return fail(5);
+        }
+        let prog = libc::sock_fprog {
+            len: s.filter.len() as u16,
+            filter: s.filter.as_ptr().cast_mut(),
+        };
+        if libc::prctl(
+            libc::PR_SET_SECCOMP,
+            libc::SECCOMP_MODE_FILTER as libc::c_ulong,
+            &prog as *const _ as libc::c_ulong,
+            0,
+            0,
+        ) == -1
+        {
+            return fail(6);
+        }
+        // Default handling of every signal for the command: ignored dispositions would
+        // survive the exec (the init ignores SIGPIPE, as Rust programs do, and may have
+        // inherited more), and nothing blocked. Raw rt_sigaction: glibc's wrapper refuses
+        // its internal real-time signals. A zeroed kernel sigaction is SIG_DFL.
+        let dfl = [0u64; 4];
+        for sig in 1..=64 {
+            if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+                libc::syscall(libc::SYS_rt_sigaction, sig, dfl.as_ptr(), std::ptr::null::<u64>(), 8);
+            }
+        }
+        let mut none: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut none);
+        libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+        libc::execve(s.path.as_ptr(), a.argv.as_ptr(), a.envp.as_ptr());
+    }
+    fail(7)
 }

@@ -111,3 +111,41 @@ print(libc.shmget(4242, 0, 0), os.path.exists("/work/left.txt"), os.path.exists(
     assert_eq!(r.stdout, "-1 False False []\n", "{r:?}");
     assert_eq!(pool.stats().cold_starts, 0, "{:?}", pool.stats());
 }
+
+/// What a command starts with, read from its own /proc status: nothing blocked or ignored
+/// (the init's SIGPIPE disposition is not inherited), no_new_privs, a seccomp filter, no
+/// capabilities, the rlimits asked for, and the environment and directory given.
+#[test]
+fn a_command_starts_with_default_signals_no_privileges_and_its_limits() {
+    let pool = pool();
+    let mut req = ExecRequest::new([
+        "sh",
+        "-c",
+        "grep -E '^(SigBlk|SigIgn|NoNewPrivs|Seccomp|CapEff|CapPrm):' /proc/self/status; \
+         ulimit -n; ulimit -t; echo \"$FOO $HOME $PATH\"; pwd",
+    ]);
+    req.env.insert("FOO".into(), "bar".into());
+    req.cwd = Some("/tmp".into());
+    req.limits.open_files = 77;
+    req.limits.cpu_secs = 9;
+    let r = pool.exec(&req);
+    assert_eq!(r.status, ExecStatus::Ok, "{r:?}");
+    for want in [
+        "SigBlk:\t0000000000000000",
+        "SigIgn:\t0000000000000000",
+        "NoNewPrivs:\t1",
+        "Seccomp:\t2",
+        "CapEff:\t0000000000000000",
+        "CapPrm:\t0000000000000000",
+        "\n77\n9\n",
+        "bar /work /usr/local/bin:/usr/bin:/bin",
+        "\n/tmp\n",
+    ] {
+        assert!(r.stdout.contains(want), "{want:?} missing from:\n{}", r.stdout);
+    }
+    // A working directory that does not exist is the command's failure, named.
+    req.cwd = Some("/nope".into());
+    let r = pool.exec(&req);
+    assert_eq!((r.status, r.exit_code), (ExecStatus::NonzeroExit, Some(127)), "{r:?}");
+    assert!(r.reason.contains("chdir"), "{r:?}");
+}

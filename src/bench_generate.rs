@@ -1,0 +1,316 @@
+//! `streamrl bench generate`: decode throughput of the continuous-batching engine at batch
+//! 1, 32 and 128 against full recompute; continuous against static batching on a
+//! workload whose lengths vary 10×; and, when a Python with torch and transformers is
+//! found, the same checkpoint through Hugging Face `generate`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use candle_core::Device;
+use streamrl_model::engine::{Engine, EngineConfig, SamplingParams};
+use streamrl_model::infer::CpuModel;
+use streamrl_model::{Packed, Transformer, checkpoint};
+
+const VOCAB: usize = 100;
+const PROMPT: usize = 16;
+
+fn prompt(b: usize) -> Vec<u32> {
+    (0..PROMPT).map(|i| ((b + i * 7) % VOCAB) as u32).collect()
+}
+
+fn params(seed: u64, max_tokens: usize, temperature: f32) -> SamplingParams {
+    SamplingParams {
+        temperature,
+        seed,
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+fn engine(model: &Transformer, slots: usize) -> Engine {
+    Engine::new(
+        model.clone(),
+        0,
+        None,
+        EngineConfig {
+            max_num_seqs: slots,
+            ..Default::default()
+        },
+    )
+}
+
+/// Runs `requests` (prompt, max_tokens) through a fresh engine with `slots` sequences at a
+/// time; returns (seconds, tokens generated).
+fn engine_run(
+    model: &Transformer,
+    slots: usize,
+    requests: &[(Vec<u32>, usize)],
+    temperature: f32,
+) -> Result<(f64, usize)> {
+    let mut e = engine(model, slots);
+    for (i, (p, n)) in requests.iter().enumerate() {
+        e.add(p.clone(), params(i as u64, *n, temperature))?;
+    }
+    let t0 = Instant::now();
+    let produced = e.run_to_completion()?.iter().map(|o| o.tokens.len()).sum();
+    Ok((t0.elapsed().as_secs_f64(), produced))
+}
+
+pub fn generate(tokens: usize) -> Result<()> {
+    let threads = std::env::var("CANDLE_NUM_THREADS").unwrap_or_else(|_| "default".into());
+    println!(
+        "streamrl bench generate (CANDLE_NUM_THREADS={threads}; {tokens} new tokens per sequence, {PROMPT}-token prompts)"
+    );
+    println!();
+    println!(
+        "{:<8} {:>6} {:>10} {:>13} {:>9} {:>16} {:>7}",
+        "preset", "batch", "wall ms", "decode tok/s", "ms/step", "recompute tok/s", "ratio"
+    );
+    let models: Vec<(&str, Transformer)> = ["tiny", "small"]
+        .into_iter()
+        .map(|p| {
+            Ok((
+                p,
+                checkpoint::init(&streamrl_model::config::preset(p, VOCAB)?, &Device::Cpu)?.model,
+            ))
+        })
+        .collect::<Result<_>>()?;
+    for (preset, m) in &models {
+        for batch in [1usize, 32, 128] {
+            let requests: Vec<_> = (0..batch).map(|b| (prompt(b), tokens)).collect();
+            engine_run(m, batch, &requests, 1.0)?; // warm-up (page faults, allocator)
+            let (wall, produced) = engine_run(m, batch, &requests, 1.0)?;
+            let rate = produced as f64 / wall;
+            let base = if batch <= 32 {
+                let prompts: Vec<Vec<u32>> = requests.iter().map(|r| r.0.clone()).collect();
+                recompute_tokens_per_sec(m, &prompts, tokens.min(32))?
+            } else {
+                f64::NAN
+            };
+            println!(
+                "{preset:<8} {batch:>6} {:>10.1} {rate:>13.0} {:>9.2} {base:>16.0} {:>7.2}",
+                wall * 1e3,
+                wall * 1e3 / tokens as f64,
+                rate / base
+            );
+        }
+    }
+    println!();
+    println!("Baseline: greedy decoding that recomputes every sequence in full each step (no KV cache), same process.");
+    println!();
+
+    // Mixed lengths: 256 requests, max_tokens 8..=80 (10×), 32 sequences at a time.
+    let (n, slots) = (256usize, 32usize);
+    let requests: Vec<(Vec<u32>, usize)> = (0..n).map(|i| (prompt(i), 8 + (i * 37 % 73))).collect();
+    let useful: usize = requests.iter().map(|r| r.1).sum();
+    println!("mixed workload: {n} requests, max_tokens 8..=80 (10×), {slots} sequences at a time");
+    println!(
+        "{:<8} {:>16} {:>13} {:>7} {:>14} {:>7} {:>7} {:>7}",
+        "preset", "continuous tok/s", "static tok/s", "ratio", "drained tok/s", "ratio", "batch c", "batch d"
+    );
+    for (preset, m) in &models {
+        let cpu = CpuModel::new(m)?;
+        static_batches(&cpu, &requests[..slots], slots)?; // warm-up
+        // Continuous: the engine admits a waiting request whenever a sequence finishes.
+        let mut e = engine(m, slots);
+        for (i, (p, l)) in requests.iter().enumerate() {
+            e.add(p.clone(), params(i as u64, *l, 1.0))?;
+        }
+        let t0 = Instant::now();
+        let produced: usize = e.run_to_completion()?.iter().map(|o| o.tokens.len()).sum();
+        let cont = t0.elapsed().as_secs_f64();
+        if produced != useful {
+            bail!("the engine produced {produced} tokens, {useful} were requested");
+        }
+        let st = e.stats();
+        // Static: batches of `slots` in arrival order, each decoded until its longest is
+        // done, through the same kernels.
+        let stat = static_batches(&cpu, &requests, slots)?;
+        // The engine admitting a new batch only once the previous one has drained.
+        let mut e = engine(m, slots);
+        let t0 = Instant::now();
+        for chunk in requests.chunks(slots) {
+            for (i, (p, l)) in chunk.iter().enumerate() {
+                e.add(p.clone(), params(i as u64, *l, 1.0))?;
+            }
+            e.run_to_completion()?;
+        }
+        let drained = t0.elapsed().as_secs_f64();
+        let sd = e.stats();
+        println!(
+            "{preset:<8} {:>16.0} {:>13.0} {:>7.2} {:>14.0} {:>7.2} {:>7.1} {:>7.1}",
+            useful as f64 / cont,
+            useful as f64 / stat,
+            stat / cont,
+            useful as f64 / drained,
+            drained / cont,
+            st.batch_rows as f64 / st.decode_steps.max(1) as f64,
+            sd.batch_rows as f64 / sd.decode_steps.max(1) as f64,
+        );
+    }
+    println!();
+    println!("static: every batch decodes until its longest request is done (the rows that finished early are");
+    println!("wasted work), as HF `generate` does, on the same CPU kernels. drained: the engine admitting a new");
+    println!("batch only when the last one has drained (finished rows leave, nobody joins). tok/s counts only");
+    println!("requested tokens; ratio = continuous / baseline; batch c/d = mean decode batch, continuous / drained.");
+    println!();
+    hf_comparison(tokens)
+}
+
+/// Static batching on the CPU kernels: each batch is prefilled in one forward and then
+/// decoded (greedy) for as many steps as its longest request asks, every row every step.
+fn static_batches(cpu: &CpuModel, requests: &[(Vec<u32>, usize)], slots: usize) -> Result<f64> {
+    let v = cpu.config().vocab;
+    let t0 = Instant::now();
+    for chunk in requests.chunks(slots) {
+        let max = chunk.iter().map(|r| r.1).max().unwrap_or(1);
+        let mut kvs: Vec<_> = chunk.iter().map(|(p, _)| cpu.new_kv(p.len() + max)).collect();
+        let mut entries: Vec<_> = kvs.iter_mut().zip(chunk).map(|(k, (p, _))| (k, &p[..])).collect();
+        let mut next = argmax_rows(&cpu.forward(&mut entries)?, v);
+        for _ in 1..max {
+            let mut entries: Vec<_> = kvs
+                .iter_mut()
+                .zip(&next)
+                .map(|(k, t)| (k, std::slice::from_ref(t)))
+                .collect();
+            next = argmax_rows(&cpu.forward(&mut entries)?, v);
+        }
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
+
+fn argmax_rows(logits: &[f32], v: usize) -> Vec<u32> {
+    logits
+        .chunks_exact(v)
+        .map(|r| {
+            r.iter()
+                .enumerate()
+                .fold((0, f32::NEG_INFINITY), |a, (i, &x)| if x > a.1 { (i, x) } else { a })
+                .0 as u32
+        })
+        .collect()
+}
+
+/// Greedy decoding without a cache: a full forward of every sequence per new token.
+fn recompute_tokens_per_sec(model: &Transformer, prompts: &[Vec<u32>], tokens: usize) -> Result<f64> {
+    let mut seqs: Vec<Vec<u32>> = prompts.to_vec();
+    let t0 = Instant::now();
+    for _ in 0..tokens {
+        let rows: Vec<Vec<Vec<u32>>> = seqs.iter().map(|s| vec![s.clone()]).collect();
+        let batch = Packed::new(&rows, &Device::Cpu)?;
+        let (logits, _) = model.forward(&batch)?;
+        let t = seqs[0].len();
+        let last = logits
+            .narrow(1, t - 1, 1)?
+            .squeeze(1)?
+            .argmax(candle_core::D::Minus1)?
+            .to_vec1::<u32>()?;
+        for (s, tok) in seqs.iter_mut().zip(last) {
+            s.push(tok);
+        }
+    }
+    Ok((tokens * prompts.len()) as f64 / t0.elapsed().as_secs_f64())
+}
+
+/// Where torch and transformers can be imported from: plain `python3`, or with
+/// PYTHONPATH set to the test tools' Python directory (`$STREAMRL_TOOLS_DIR/py`, else
+/// `target/test-tools/py`, where the interop tests install them).
+fn torch_python() -> Option<Option<PathBuf>> {
+    let tools = std::env::var_os("STREAMRL_TOOLS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("target/test-tools"))
+        .join("py");
+    [None, Some(tools)].into_iter().find(|path| {
+        let mut c = Command::new("python3");
+        c.args(["-c", "import torch, transformers"]);
+        if let Some(p) = path {
+            c.env("PYTHONPATH", p);
+        }
+        c.output().map(|o| o.status.success()).unwrap_or(false)
+    })
+}
+
+const HF_SCRIPT: &str = r#"
+import json, sys, time, torch
+from transformers import AutoModelForCausalLM
+torch.set_num_threads(1)
+ckpt, tokens, vocab, prompt_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+m = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+for batch in map(int, sys.argv[5:]):
+    ids = torch.tensor([[(b + i * 7) % vocab for i in range(prompt_len)] for b in range(batch)])
+    # No end-of-sequence token: every row generates `tokens` (no min_new_tokens processor,
+    # which costs HF about 20%). The best of three timed runs after a warm-up.
+    kw = dict(max_new_tokens=tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    best = 0.0
+    with torch.no_grad():
+        m.generate(ids, **kw)
+        for _ in range(3):
+            t0 = time.perf_counter()
+            out = m.generate(ids, **kw)
+            secs = time.perf_counter() - t0
+            best = max(best, (out.shape[1] - prompt_len) * batch / secs)
+    print(json.dumps({"batch": batch, "tok_per_s": best}), flush=True)
+"#;
+
+/// The tiny checkpoint through HF `generate` (greedy, 1 thread) and through the engine
+/// (greedy), batch 1 and 32.
+fn hf_comparison(tokens: usize) -> Result<()> {
+    let Some(pythonpath) = torch_python() else {
+        println!("HF transformers: not measured (no python3 that imports torch and transformers, also tried");
+        println!("$STREAMRL_TOOLS_DIR/py and target/test-tools/py, where the interop tests install them).");
+        return Ok(());
+    };
+    let dir = tempfile::tempdir()?;
+    let hf = streamrl_model::config::preset("tiny", VOCAB)?;
+    let loaded = checkpoint::init(&hf, &Device::Cpu)?;
+    checkpoint::save(dir.path(), &hf, &loaded.vars, None, None)?;
+    let batches = [1usize, 32];
+    let hf_rates = run_hf(dir.path(), pythonpath.as_deref(), tokens, &batches)?;
+    println!(
+        "Hugging Face transformers `generate` on the same tiny checkpoint: greedy, {tokens} new tokens, 1 thread (HF: best of 3)"
+    );
+    println!(
+        "{:<6} {:>14} {:>16} {:>7}",
+        "batch", "HF tok/s", "streamrl tok/s", "ratio"
+    );
+    for (batch, hf_rate) in batches.into_iter().zip(hf_rates) {
+        let requests: Vec<_> = (0..batch).map(|b| (prompt(b), tokens)).collect();
+        engine_run(&loaded.model, batch, &requests, 0.0)?;
+        let (wall, produced) = engine_run(&loaded.model, batch, &requests, 0.0)?;
+        let ours = produced as f64 / wall;
+        println!("{batch:<6} {hf_rate:>14.0} {ours:>16.0} {:>7.2}", ours / hf_rate);
+    }
+    Ok(())
+}
+
+fn run_hf(ckpt: &Path, pythonpath: Option<&Path>, tokens: usize, batches: &[usize]) -> Result<Vec<f64>> {
+    let mut c = Command::new("python3");
+    c.arg("-c")
+        .arg(HF_SCRIPT)
+        .arg(ckpt)
+        .arg(tokens.to_string())
+        .arg(VOCAB.to_string())
+        .arg(PROMPT.to_string())
+        .args(batches.iter().map(usize::to_string))
+        .env("OMP_NUM_THREADS", "1");
+    if let Some(p) = pythonpath {
+        c.env("PYTHONPATH", p);
+    }
+    let out = c.output().context("run python3 for the HF comparison")?;
+    if !out.status.success() {
+        bail!(
+            "the HF generate script failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).with_context(|| format!("HF script printed {l:?}"))?;
+            v["tok_per_s"].as_f64().context("tok_per_s missing")
+        })
+        .collect()
+}
