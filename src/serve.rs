@@ -181,6 +181,7 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
             ..Default::default()
         },
     );
+    let kernels = engine.kernels();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("engine".into())
@@ -210,7 +211,7 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
         .await
         .with_context(|| format!("listening on {}", a.listen))?;
     eprintln!(
-        "serving `{}` from {} on http://{}",
+        "serving `{}` from {} on http://{} ({kernels} kernels)",
         state.model,
         a.checkpoint.display(),
         listener.local_addr()?

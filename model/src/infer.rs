@@ -1,6 +1,6 @@
-//! Inference kernels for the CPU: the same transformer as [`Transformer`], evaluated over
-//! plain `f32` buffers with the `gemm` crate's matrix kernels (the ones candle calls) and
-//! hand-written loops for everything else.
+//! Inference on the CPU: the same transformer as [`Transformer`], evaluated over plain
+//! `f32` buffers with the kernels of `streamrl_kernels::cpu` (the `gemm` crate's matrix
+//! products, the ones candle calls, and row-wise loops for the rest).
 //!
 //! Why it exists: a decode step of a small model is dozens of tiny tensor ops, and on the
 //! CPU candle spends more time allocating and dispatching them than computing. Here one
@@ -31,6 +31,8 @@
 //! ```
 
 use candle_core::{DType, Device, Tensor};
+
+use streamrl_kernels::cpu::{self, matmul_t};
 
 use crate::config::{Config, MoeConfig, RopeLayout, RouterScore};
 use crate::model::{FeedForward, Linear, Mlp, Transformer};
@@ -83,57 +85,6 @@ impl Mat {
     }
 }
 
-/// `dst (n, out) = x (n, in) @ w^T` (or `+=` when `accumulate`), `w` row-major `(out, in)`.
-#[allow(clippy::too_many_arguments)]
-#[allow(unsafe_code)]
-fn matmul_t(x: &[f32], n: usize, w: &[f32], out: usize, inp: usize, dst: &mut [f32], accumulate: bool, threads: usize) {
-    assert!(
-        x.len() >= n * inp && w.len() >= out * inp && dst.len() >= n * out,
-        "matmul_t shapes"
-    );
-    if n == 0 || out == 0 {
-        return;
-    }
-    if inp == 0 {
-        if !accumulate {
-            dst[..n * out].fill(0.0);
-        }
-        return;
-    }
-    let par = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    // SAFETY: the assert above keeps every access in bounds: dst is n × out with row
-    // stride `out`, x is n × inp with row stride `inp`, and w^T is read as inp × out with
-    // row stride 1 and column stride `inp` (w is out × inp). The three do not overlap
-    // (dst is a distinct &mut borrow).
-    unsafe {
-        gemm::gemm(
-            n,
-            out,
-            inp,
-            dst.as_mut_ptr(),
-            1,
-            out as isize,
-            accumulate,
-            x.as_ptr(),
-            1,
-            inp as isize,
-            w.as_ptr(),
-            inp as isize,
-            1,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            par,
-        )
-    }
-}
-
 fn host(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.flatten_all()?.to_vec1::<f32>()?)
 }
@@ -164,9 +115,7 @@ impl Swiglu {
         let mut a = vec![0f32; n * ff];
         for (row, out) in gu.chunks_exact(2 * ff).zip(a.chunks_exact_mut(ff)) {
             let (g, u) = row.split_at(ff);
-            for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
-                *o = g / ((-g).exp() + 1.0) * u;
-            }
+            cpu::silu_mul(g, u, out);
         }
         self.down.apply(&a, n, dst, accumulate, threads);
     }
@@ -339,9 +288,8 @@ impl CpuModel {
         let max_len = seqs.iter().map(|(kv, t)| kv.len + t.len()).max().unwrap_or(0);
         let mut scores = vec![0f32; max_len];
         let scale = (1.0 / (hd as f64).sqrt()) as f32;
-        let rep = nh / nkv;
         for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm(&x, &layer.attn_norm, c.eps, &mut h);
+            cpu::rms_norm(&x, &layer.attn_norm, c.eps as f32, &mut h);
             layer.qkv.apply(&h, n, &mut qkv, false, self.threads);
             // Per token: q/k norms, rotary embedding, then the keys and values join the
             // sequence's cache.
@@ -355,7 +303,7 @@ impl CpuModel {
                     for (heads, norm) in [(&mut *q, &layer.q_norm), (&mut *k, &layer.k_norm)] {
                         for head in heads.chunks_exact_mut(hd) {
                             if let Some(w) = norm {
-                                rms_norm_in_place(head, w, c.eps);
+                                cpu::rms_norm_in_place(head, w, c.eps as f32);
                             }
                             self.rope(head, pos);
                         }
@@ -371,38 +319,22 @@ impl CpuModel {
                 let (ks, vs) = (&kv.k[li], &kv.v[li]);
                 for i in 0..toks.len() {
                     let pos = kv.len + i;
-                    let q = &qkv[row * qkv_w..row * qkv_w + nh * hd];
-                    let out = &mut att[row * nh * hd..(row + 1) * nh * hd];
-                    for head in 0..nh {
-                        let g = head / rep;
-                        let qh = &q[head * hd..(head + 1) * hd];
-                        let s = &mut scores[..=pos];
-                        let mut max = f32::NEG_INFINITY;
-                        for (j, sj) in s.iter_mut().enumerate() {
-                            let kj = &ks[(j * nkv + g) * hd..(j * nkv + g + 1) * hd];
-                            *sj = dot(qh, kj) * scale;
-                            max = max.max(*sj);
-                        }
-                        let mut sum = 0f32;
-                        for sj in s.iter_mut() {
-                            *sj = (*sj - max).exp();
-                            sum += *sj;
-                        }
-                        let oh = &mut out[head * hd..(head + 1) * hd];
-                        oh.fill(0.0);
-                        for (j, &p) in s.iter().enumerate() {
-                            let vj = &vs[(j * nkv + g) * hd..(j * nkv + g + 1) * hd];
-                            let p = p / sum;
-                            for (o, v) in oh.iter_mut().zip(vj) {
-                                *o += p * v;
-                            }
-                        }
-                    }
+                    cpu::attend(
+                        &qkv[row * qkv_w..row * qkv_w + nh * hd],
+                        ks,
+                        vs,
+                        pos + 1,
+                        nkv,
+                        hd,
+                        scale,
+                        &mut scores,
+                        &mut att[row * nh * hd..(row + 1) * nh * hd],
+                    );
                     row += 1;
                 }
             }
             layer.o.apply(&att, n, &mut x, true, self.threads);
-            rms_norm(&x, &layer.ff_norm, c.eps, &mut h);
+            cpu::rms_norm(&x, &layer.ff_norm, c.eps as f32, &mut h);
             match &layer.ff {
                 Ff::Dense(mlp) => mlp.apply(&h, n, &mut x, true, self.threads),
                 Ff::Moe(m) => m.apply(&h, n, d, &mut x, self.threads),
@@ -420,7 +352,7 @@ impl CpuModel {
         }
         let m = seqs.len();
         let mut hn = vec![0f32; m * d];
-        rms_norm(&last, &self.norm, c.eps, &mut hn);
+        cpu::rms_norm(&last, &self.norm, c.eps as f32, &mut hn);
         let mut logits = vec![0f32; m * c.vocab];
         match &self.head {
             Some(head) => head.apply(&hn, m, &mut logits, false, self.threads),
@@ -432,25 +364,12 @@ impl CpuModel {
     /// Rotates one head's vector in place to position `pos`.
     fn rope(&self, x: &mut [f32], pos: usize) {
         let half = x.len() / 2;
-        let cos = &self.cos[pos * half..(pos + 1) * half];
-        let sin = &self.sin[pos * half..(pos + 1) * half];
-        match self.cfg.rope_layout {
-            RopeLayout::HalfSplit => {
-                let (a, b) = x.split_at_mut(half);
-                for i in 0..half {
-                    let (x1, x2) = (a[i], b[i]);
-                    a[i] = x1 * cos[i] - x2 * sin[i];
-                    b[i] = x1 * sin[i] + x2 * cos[i];
-                }
-            }
-            RopeLayout::Interleaved => {
-                for i in 0..half {
-                    let (e, o) = (x[2 * i], x[2 * i + 1]);
-                    x[2 * i] = e * cos[i] - o * sin[i];
-                    x[2 * i + 1] = e * sin[i] + o * cos[i];
-                }
-            }
-        }
+        cpu::rope(
+            x,
+            &self.cos[pos * half..(pos + 1) * half],
+            &self.sin[pos * half..(pos + 1) * half],
+            self.cfg.rope_layout == RopeLayout::Interleaved,
+        );
     }
 }
 
@@ -469,17 +388,7 @@ impl Moe {
         router.apply(x, n, &mut scores, false, threads);
         for row in scores.chunks_exact_mut(e) {
             match cfg.score {
-                RouterScore::Softmax => {
-                    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let mut sum = 0.0;
-                    for s in row.iter_mut() {
-                        *s = (*s - max).exp();
-                        sum += *s;
-                    }
-                    for s in row.iter_mut() {
-                        *s /= sum;
-                    }
-                }
+                RouterScore::Softmax => cpu::softmax_in_place(row),
                 RouterScore::Sigmoid => {
                     for s in row.iter_mut() {
                         *s = 1.0 / (1.0 + (-*s).exp());
@@ -535,42 +444,6 @@ impl Moe {
                 }
             }
         }
-    }
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight partial sums: the compiler turns this into SIMD lanes.
-    let mut acc = [0f32; 8];
-    let (ac, ar) = a.split_at(a.len() / 8 * 8);
-    let (bc, br) = b.split_at(ac.len());
-    for (x, y) in ac.chunks_exact(8).zip(bc.chunks_exact(8)) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ar.iter().zip(br) {
-        s += x * y;
-    }
-    s
-}
-
-/// `out = x / sqrt(mean(x²) + eps) · w`, row by row.
-fn rms_norm(x: &[f32], w: &[f32], eps: f64, out: &mut [f32]) {
-    let d = w.len();
-    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let r = (xr.iter().map(|v| v * v).sum::<f32>() / d as f32 + eps as f32).sqrt();
-        for ((o, v), w) in or.iter_mut().zip(xr).zip(w) {
-            *o = v / r * w;
-        }
-    }
-}
-
-fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f64) {
-    let d = w.len();
-    let r = (x.iter().map(|v| v * v).sum::<f32>() / d as f32 + eps as f32).sqrt();
-    for (v, w) in x.iter_mut().zip(w) {
-        *v = *v / r * w;
     }
 }
 
