@@ -834,7 +834,9 @@ fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32) {
     let t = if p.temperature > 0.0 { p.temperature } else { 1.0 };
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     // log_softmax(l / t) = (l - max) / t - log Σ exp((l - max) / t)
-    let log_z = logits.iter().map(|l| ((l - max) / t).exp()).sum::<f32>().ln();
+    let e: Vec<f32> = logits.iter().map(|l| ((l - max) / t).exp()).collect();
+    let z: f32 = e.iter().sum();
+    let log_z = z.ln();
     let logprob = |i: usize| (logits[i] - max) / t - log_z;
     if p.temperature == 0.0 {
         let (i, _) = logits.iter().enumerate().fold(
@@ -843,7 +845,7 @@ fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32) {
         );
         return (i as u32, logprob(i));
     }
-    let mut cand: Vec<(usize, f32)> = (0..logits.len()).map(|i| (i, logprob(i).exp())).collect();
+    let mut cand: Vec<(usize, f32)> = e.iter().enumerate().map(|(i, &v)| (i, v / z)).collect();
     if p.top_k > 0 || p.top_p < 1.0 {
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if p.top_k > 0 {

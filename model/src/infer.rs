@@ -32,49 +32,55 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use streamrl_kernels::cpu::{self, matmul_t};
+use streamrl_kernels::cpu;
 
 use crate::config::{Config, MoeConfig, RopeLayout, RouterScore};
 use crate::model::{FeedForward, Linear, Mlp, Transformer};
 use crate::{Error, Result};
 
-/// A dense weight matrix `(out, in)`, row-major as in the checkpoint, plus an optional bias.
+/// A dense weight matrix stored transposed, `(in, out)` row-major (the layout
+/// [`cpu::matmul`] reads fastest), plus an optional bias.
 #[derive(Debug, Clone)]
 struct Mat {
-    w: Vec<f32>,
+    wt: Vec<f32>,
     b: Option<Vec<f32>>,
     out: usize,
     inp: usize,
 }
 
 impl Mat {
-    fn from(l: &Linear) -> Result<Mat> {
-        let (out, inp) = l.w.dims2()?;
+    /// Linear layers with the same input width, their outputs side by side.
+    fn of(parts: &[&Linear]) -> Result<Mat> {
+        let inp = parts[0].w.dim(1)?;
+        let any_bias = parts.iter().any(|l| l.b.is_some());
+        let (mut w, mut b, mut out) = (Vec::new(), Vec::new(), 0);
+        for l in parts {
+            let (o, i) = l.w.dims2()?;
+            if i != inp {
+                return Err(Error::Shape(format!(
+                    "stacking linear layers of input widths {inp} and {i}"
+                )));
+            }
+            w.extend(host(&l.w)?);
+            if any_bias {
+                b.extend(match &l.b {
+                    Some(bias) => host(bias)?,
+                    None => vec![0.0; o],
+                });
+            }
+            out += o;
+        }
         Ok(Mat {
-            w: host(&l.w)?,
-            b: l.b.as_ref().map(host).transpose()?,
+            wt: cpu::transpose(&w, out, inp),
+            b: any_bias.then_some(b),
             out,
             inp,
         })
     }
 
-    /// Stacks matrices with the same input width into one (their outputs side by side).
-    fn stack(parts: &[Mat]) -> Mat {
-        let inp = parts[0].inp;
-        let out = parts.iter().map(|m| m.out).sum();
-        let w = parts.iter().flat_map(|m| m.w.iter().copied()).collect();
-        let b = parts.iter().any(|m| m.b.is_some()).then(|| {
-            parts
-                .iter()
-                .flat_map(|m| m.b.clone().unwrap_or_else(|| vec![0.0; m.out]))
-                .collect()
-        });
-        Mat { w, b, out, inp }
-    }
-
     /// `dst (n, out) (+)= x (n, in) @ w^T (+ b)`.
     fn apply(&self, x: &[f32], n: usize, dst: &mut [f32], accumulate: bool, threads: usize) {
-        matmul_t(x, n, &self.w, self.out, self.inp, dst, accumulate, threads);
+        cpu::matmul(x, n, &self.wt, self.inp, self.out, dst, accumulate, threads);
         if let Some(b) = &self.b {
             for row in dst.chunks_exact_mut(self.out) {
                 for (y, b) in row.iter_mut().zip(b) {
@@ -99,11 +105,11 @@ struct Swiglu {
 
 impl Swiglu {
     fn from(m: &Mlp) -> Result<Swiglu> {
-        let gate_up = Mat::stack(&[Mat::from(&m.gate)?, Mat::from(&m.up)?]);
+        let gate_up = Mat::of(&[&m.gate, &m.up])?;
         Ok(Swiglu {
             ff: gate_up.out / 2,
             gate_up,
-            down: Mat::from(&m.down)?,
+            down: Mat::of(&[&m.down])?,
         })
     }
 
@@ -174,7 +180,7 @@ impl SeqKv {
 pub struct CpuModel {
     cfg: Config,
     embed: Vec<f32>,
-    head: Option<Mat>,
+    head: Mat,
     norm: Vec<f32>,
     layers: Vec<Layer>,
     /// Rotary tables (max_positions, head_dim / 2), the candle model's own values.
@@ -201,20 +207,20 @@ impl CpuModel {
                 let a = &b.attn;
                 Ok(Layer {
                     attn_norm: host(&b.attn_norm.w)?,
-                    qkv: Mat::stack(&[Mat::from(&a.q)?, Mat::from(&a.k)?, Mat::from(&a.v)?]),
+                    qkv: Mat::of(&[&a.q, &a.k, &a.v])?,
                     q_norm: a.q_norm.as_ref().map(|n| host(&n.w)).transpose()?,
                     k_norm: a.k_norm.as_ref().map(|n| host(&n.w)).transpose()?,
-                    o: Mat::from(&a.o)?,
+                    o: Mat::of(&[&a.o])?,
                     ff_norm: host(&b.ff_norm.w)?,
                     ff: match &b.ff {
                         FeedForward::Dense(mlp) => Ff::Dense(Swiglu::from(mlp)?),
                         FeedForward::Moe(moe) => Ff::Moe(Box::new(Moe {
-                            router: Mat::from(&moe.router)?,
+                            router: Mat::of(&[&moe.router])?,
                             experts: moe.experts.iter().map(Swiglu::from).collect::<Result<_>>()?,
                             shared: moe
                                 .shared
                                 .as_ref()
-                                .map(|(mlp, gate)| Ok::<_, Error>((Swiglu::from(mlp)?, Mat::from(gate)?)))
+                                .map(|(mlp, gate)| Ok::<_, Error>((Swiglu::from(mlp)?, Mat::of(&[gate])?)))
                                 .transpose()?,
                             cfg: moe.cfg.clone(),
                         })),
@@ -225,7 +231,16 @@ impl CpuModel {
         Ok(CpuModel {
             cfg: m.cfg.clone(),
             embed: host(&m.embed)?,
-            head: m.head.as_ref().map(Mat::from).transpose()?,
+            head: match &m.head {
+                Some(h) => Mat::of(&[h])?,
+                // Tied: the embedding (vocab, d) is the head's weight.
+                None => Mat {
+                    wt: cpu::transpose(&host(&m.embed)?, m.cfg.vocab, m.cfg.d_model),
+                    b: None,
+                    out: m.cfg.vocab,
+                    inp: m.cfg.d_model,
+                },
+            },
             norm: host(&m.norm.w)?,
             layers,
             cos: host(&m.rope.cos)?,
@@ -354,10 +369,7 @@ impl CpuModel {
         let mut hn = vec![0f32; m * d];
         cpu::rms_norm(&last, &self.norm, c.eps as f32, &mut hn);
         let mut logits = vec![0f32; m * c.vocab];
-        match &self.head {
-            Some(head) => head.apply(&hn, m, &mut logits, false, self.threads),
-            None => matmul_t(&hn, m, &self.embed, c.vocab, d, &mut logits, false, self.threads),
-        }
+        self.head.apply(&hn, m, &mut logits, false, self.threads);
         Ok(logits)
     }
 
