@@ -24,9 +24,15 @@ pub fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
         m.len()
     );
     let mut t = vec![0f32; m.len()];
-    for (r, row) in m.chunks_exact(cols).enumerate() {
-        for (c, v) in row.iter().enumerate() {
-            t[c * rows + r] = *v;
+    // In 32 × 32 tiles, so that reads and writes both stay in cache.
+    const TILE: usize = 32;
+    for r0 in (0..rows).step_by(TILE) {
+        for c0 in (0..cols).step_by(TILE) {
+            for r in r0..(r0 + TILE).min(rows) {
+                for c in c0..(c0 + TILE).min(cols) {
+                    t[c * rows + r] = m[r * cols + c];
+                }
+            }
         }
     }
     t

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use candle_core::Device;
+use streamrl_model::engine::{Engine, EngineConfig, SamplingParams};
 use streamrl_model::generate::{Sampling, generate};
 use streamrl_model::{checkpoint, gguf};
 
@@ -66,6 +67,27 @@ fn smollm2_answers_paris_and_round_trips_as_an_hf_checkpoint() {
     let answer = tok.decode(&out.tokens[0]).unwrap();
     eprintln!("generated {:?}", t0.elapsed());
     assert!(answer.contains("Paris"), "answer: {answer:?}");
+
+    // The engine on the CPU kernels, for the same real model, gives the same answer and
+    // logprobs.
+    let mut engine = Engine::new(loaded.model.clone(), 0, Some(tok.clone()), EngineConfig::default());
+    assert_eq!(engine.kernels(), "cpu");
+    engine
+        .add(
+            ids.clone(),
+            SamplingParams {
+                temperature: 0.0,
+                max_tokens: 12,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let o = engine.run_to_completion().unwrap().remove(0);
+    assert_eq!(o.tokens, out.tokens[0], "engine: {:?}", o.text);
+    for (a, b) in o.logprobs.iter().zip(&out.logprobs[0]) {
+        assert!((a - b).abs() < 1e-3, "logprob {a} vs {b}");
+    }
+    eprintln!("engine {:?}", t0.elapsed());
 
     // Saved in the HF layout, it reloads with identical logits (and the same answer).
     let dir = tempfile::tempdir().unwrap();
