@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use candle_core::Device;
-use streamrl_model::engine::{Engine, EngineConfig, SamplingParams};
+use streamrl_model::engine::{Engine, EngineConfig, EngineStats, SamplingParams};
 use streamrl_model::infer::CpuModel;
 use streamrl_model::{Packed, Transformer, checkpoint};
 
@@ -43,20 +43,20 @@ fn engine(model: &Transformer, slots: usize) -> Engine {
 }
 
 /// Runs `requests` (prompt, max_tokens) through a fresh engine with `slots` sequences at a
-/// time; returns (seconds, tokens generated).
+/// time; returns (seconds, tokens generated, the engine's counters).
 fn engine_run(
     model: &Transformer,
     slots: usize,
     requests: &[(Vec<u32>, usize)],
     temperature: f32,
-) -> Result<(f64, usize)> {
+) -> Result<(f64, usize, EngineStats)> {
     let mut e = engine(model, slots);
     for (i, (p, n)) in requests.iter().enumerate() {
         e.add(p.clone(), params(i as u64, *n, temperature))?;
     }
     let t0 = Instant::now();
     let produced = e.run_to_completion()?.iter().map(|o| o.tokens.len()).sum();
-    Ok((t0.elapsed().as_secs_f64(), produced))
+    Ok((t0.elapsed().as_secs_f64(), produced, e.stats()))
 }
 
 pub fn generate(tokens: usize) -> Result<()> {
@@ -82,7 +82,7 @@ pub fn generate(tokens: usize) -> Result<()> {
         for batch in [1usize, 32, 128] {
             let requests: Vec<_> = (0..batch).map(|b| (prompt(b), tokens)).collect();
             engine_run(m, batch, &requests, 1.0)?; // warm-up (page faults, allocator)
-            let (wall, produced) = engine_run(m, batch, &requests, 1.0)?;
+            let (wall, produced, _) = engine_run(m, batch, &requests, 1.0)?;
             let rate = produced as f64 / wall;
             let base = if batch <= 32 {
                 let prompts: Vec<Vec<u32>> = requests.iter().map(|r| r.0.clone()).collect();
@@ -143,17 +143,11 @@ pub fn generate(tokens: usize) -> Result<()> {
             let (mut batch_c, mut batch_d) = (0.0, 0.0);
             for _ in 0..3 {
                 // Continuous: the engine admits a waiting request whenever a sequence finishes.
-                let mut e = engine(m, slots);
-                for (i, (p, l)) in requests.iter().enumerate() {
-                    e.add(p.clone(), params(i as u64, *l, 1.0))?;
-                }
-                let t0 = Instant::now();
-                let produced: usize = e.run_to_completion()?.iter().map(|o| o.tokens.len()).sum();
-                cont.push(t0.elapsed().as_secs_f64());
+                let (secs, produced, st) = engine_run(m, slots, &requests, 1.0)?;
+                cont.push(secs);
                 if produced != useful {
                     bail!("the engine produced {produced} tokens, {useful} were requested");
                 }
-                let st = e.stats();
                 batch_c = st.batch_rows as f64 / st.decode_steps.max(1) as f64;
                 // Static: batches of `slots` in arrival order, each decoded until its longest
                 // is done, through the same kernels.
@@ -319,7 +313,7 @@ fn hf_comparison(tokens: usize) -> Result<()> {
     for (batch, hf_rate) in batches.into_iter().zip(hf_rates) {
         let requests: Vec<_> = (0..batch).map(|b| (prompt(b), tokens)).collect();
         engine_run(&loaded.model, batch, &requests, 0.0)?;
-        let (wall, produced) = engine_run(&loaded.model, batch, &requests, 0.0)?;
+        let (wall, produced, _) = engine_run(&loaded.model, batch, &requests, 0.0)?;
         let ours = produced as f64 / wall;
         println!("{batch:<6} {hf_rate:>14.0} {ours:>16.0} {:>7.2}", ours / hf_rate);
     }

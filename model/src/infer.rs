@@ -228,19 +228,20 @@ impl CpuModel {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let embed = host(&m.embed)?;
         Ok(CpuModel {
             cfg: m.cfg.clone(),
-            embed: host(&m.embed)?,
             head: match &m.head {
                 Some(h) => Mat::of(&[h])?,
                 // Tied: the embedding (vocab, d) is the head's weight.
                 None => Mat {
-                    wt: cpu::transpose(&host(&m.embed)?, m.cfg.vocab, m.cfg.d_model),
+                    wt: cpu::transpose(&embed, m.cfg.vocab, m.cfg.d_model),
                     b: None,
                     out: m.cfg.vocab,
                     inp: m.cfg.d_model,
                 },
             },
+            embed,
             norm: host(&m.norm.w)?,
             layers,
             cos: host(&m.rope.cos)?,

@@ -433,16 +433,7 @@ fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
         return raw;
     }
     let l = req.limits;
-    let spec = match spawn_spec(cfg, req) {
-        Ok(s) => s,
-        Err(e) => {
-            raw.exit_code = Some(127);
-            raw.spawn_error = Some(format!("cannot run `{}`: {e}", req.argv[0]));
-            raw.stderr = raw.spawn_error.clone().unwrap_or_default();
-            return raw;
-        }
-    };
-    let child = match sys::spawn(&spec) {
+    let child = match spawn_spec(cfg, req).and_then(|spec| sys::spawn(&spec)) {
         Ok(c) => c,
         Err(e) => {
             raw.exit_code = Some(127);

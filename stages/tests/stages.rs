@@ -22,6 +22,14 @@ fn tiny(dir: &Path, seed: u64) -> String {
     checkpoint::save(dir, &hf, &l.vars, Some(&tok), None).unwrap()
 }
 
+/// A temporary run directory holding a tiny checkpoint (seed 0) at `ckpt`.
+fn tiny_in_tempdir() -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    tiny(&ckpt, 0);
+    (dir, ckpt)
+}
+
 fn ctx(stage: &str, run_dir: &Path, outputs: &[(&str, SchemaId)]) -> Ctx {
     let envs: serde_yaml::Value = serde_yaml::from_str("arith: {weight: 1}").unwrap();
     Ctx {
@@ -184,9 +192,7 @@ async fn mask_waits_for_the_whole_group_dedups_and_filters_groups_without_signal
 
 #[tokio::test]
 async fn source_admits_groups_only_within_the_async_level_and_resumes_its_position() {
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("ckpt");
-    tiny(&ckpt, 0);
+    let (dir, ckpt) = tiny_in_tempdir();
     let cfg = SourceConfig {
         checkpoint: ckpt.clone(),
         group_size: 4,
@@ -297,9 +303,7 @@ fn metric_values(out: &[(String, arrow::record_batch::RecordBatch)], name: &str)
 #[tokio::test]
 async fn source_files_problems_into_difficulty_pools_by_group_reward_and_draws_from_them() {
     use streamrl_stages::source::DifficultyConfig;
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("ckpt");
-    tiny(&ckpt, 0);
+    let (dir, ckpt) = tiny_in_tempdir();
     let cfg = SourceConfig {
         checkpoint: ckpt.clone(),
         group_size: 2,
@@ -417,9 +421,7 @@ async fn source_files_problems_into_difficulty_pools_by_group_reward_and_draws_f
 
 #[tokio::test]
 async fn source_reads_a_dataset_in_shuffled_epochs_and_stops_after_the_last() {
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("ckpt");
-    tiny(&ckpt, 0);
+    let (dir, ckpt) = tiny_in_tempdir();
     let cfg = SourceConfig {
         checkpoint: ckpt.clone(),
         group_size: 2,
