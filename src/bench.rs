@@ -13,7 +13,8 @@ use streamrl_schemas::{Headers, MetricRow, SchemaId, TopicRow};
 #[derive(Subcommand)]
 pub enum Which {
     /// Training tokens/s (forward + backward + optimizer), single-threaded, at three shapes:
-    /// streamrl's fused AdamW step vs the same model stepped by candle's stock AdamW.
+    /// streamrl (fused ops, fused AdamW) vs the same model op by op with candle's stock
+    /// AdamW, and vs PyTorch on the same shapes when a python3 imports torch.
     Train {
         /// Timed steps per shape (after one warm-up step).
         #[arg(long, default_value_t = 3)]

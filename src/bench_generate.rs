@@ -252,7 +252,7 @@ fn recompute_tokens_per_sec(model: &Transformer, prompts: &[Vec<u32>], tokens: u
 /// Where torch and transformers can be imported from: plain `python3`, or with
 /// PYTHONPATH set to the test tools' Python directory (`$STREAMRL_TOOLS_DIR/py`, else
 /// `target/test-tools/py`, where the interop tests install them).
-fn torch_python() -> Option<Option<PathBuf>> {
+pub(crate) fn torch_python() -> Option<Option<PathBuf>> {
     let tools = std::env::var_os("STREAMRL_TOOLS_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("target/test-tools"))

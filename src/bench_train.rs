@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context, Result, bail};
 use candle_core::Device;
 use candle_nn::Optimizer as _;
 use streamrl_model::config::HfConfig;
@@ -93,15 +93,54 @@ fn step(
     Ok(t0.elapsed())
 }
 
+/// The best step time (ms) of `steps` timed steps after one warm-up, for a freshly
+/// initialised model of `s`, fused ops and streamrl's AdamW (`naive`: op-by-op candle and
+/// candle's stock AdamW), and the parameter count.
+fn time_shape(s: &Shape, batch: &Packed, steps: usize, naive: bool) -> Result<(f64, usize)> {
+    let mut m = checkpoint::init(&s.hf, &Device::Cpu)?;
+    m.model.set_fused_ops(!naive);
+    let params = crate::model_cmd::parameters(&m.vars);
+    let cfg = OptimizerConfig {
+        max_grad_norm: 0.0,
+        ..Default::default()
+    };
+    let mut ours = Optimizer::new(&m.vars, cfg)?;
+    let mut theirs = candle_nn::AdamW::new(
+        m.vars.all_vars(),
+        candle_nn::ParamsAdamW {
+            lr: 1e-4,
+            ..Default::default()
+        },
+    )?;
+    let mut opt = |g: &candle_core::backprop::GradStore| -> Result<()> {
+        if naive {
+            theirs.step(g)?;
+        } else {
+            ours.step(g, 1e-4)?;
+        }
+        Ok(())
+    };
+    let mut best = f64::INFINITY;
+    for i in 0..=steps {
+        let d = step(&m.model, batch, &mut opt)?.as_secs_f64() * 1e3;
+        if i > 0 {
+            best = best.min(d);
+        }
+    }
+    Ok((best, params))
+}
+
 pub fn run(steps: usize, skip_large: bool) -> Result<()> {
     let threads = std::env::var("CANDLE_NUM_THREADS").unwrap_or_else(|_| "default".into());
     println!("streamrl bench train (CANDLE_NUM_THREADS={threads}; best of {steps} steps after one warm-up)");
+    let shapes = shapes(skip_large);
+    let torch = torch_step_ms(&shapes, steps)?;
     println!();
     println!(
-        "{:<28} {:>10} {:>11} {:>11} {:>8} {:>11} {:>9}",
-        "shape", "params", "fused ms", "stock ms", "ratio", "tokens/s", "vs torch"
+        "{:<28} {:>10} {:>10} {:>11} {:>8} {:>10} {:>10} {:>9}",
+        "shape", "params", "naive ms", "streamrl ms", "speed-up", "tokens/s", "torch ms", "vs torch"
     );
-    for s in shapes(skip_large) {
+    for (i, s) in shapes.iter().enumerate() {
         let rows: Vec<Vec<Vec<u32>>> = (0..s.batch)
             .map(|b| {
                 vec![
@@ -112,57 +151,114 @@ pub fn run(steps: usize, skip_large: bool) -> Result<()> {
             })
             .collect();
         let batch = Packed::new(&rows, &Device::Cpu)?;
-        let time = |stock: bool| -> Result<(f64, usize)> {
-            let m = checkpoint::init(&s.hf, &Device::Cpu)?;
-            let params = crate::model_cmd::parameters(&m.vars);
-            let cfg = OptimizerConfig {
-                max_grad_norm: 0.0,
-                ..Default::default()
-            };
-            let mut ours = Optimizer::new(&m.vars, cfg)?;
-            let mut theirs = candle_nn::AdamW::new(
-                m.vars.all_vars(),
-                candle_nn::ParamsAdamW {
-                    lr: 1e-4,
-                    ..Default::default()
-                },
-            )?;
-            let mut opt = |g: &candle_core::backprop::GradStore| -> Result<()> {
-                if stock {
-                    theirs.step(g)?;
-                } else {
-                    ours.step(g, 1e-4)?;
-                }
-                Ok(())
-            };
-            let mut best = f64::INFINITY;
-            for i in 0..=steps {
-                let d = step(&m.model, &batch, &mut opt)?.as_secs_f64() * 1e3;
-                if i > 0 {
-                    best = best.min(d);
-                }
-            }
-            Ok((best, params))
-        };
-        let (fused, params) = time(false)?;
-        let (stock, _) = time(true)?;
+        let (ours, params) = time_shape(s, &batch, steps, false)?;
+        let (naive, _) = time_shape(s, &batch, steps, true)?;
         let tokens = (s.batch * s.seq) as f64;
+        let (torch_ms, mark) = match &torch {
+            Some(t) => (t[i], ""),
+            None => (s.torch_ms, "*"),
+        };
         println!(
-            "{:<28} {:>10} {:>11.1} {:>11.1} {:>8.2} {:>11.0} {:>8.2}×",
+            "{:<28} {:>10} {:>10.1} {:>11.1} {:>8.2} {:>10.0} {:>9.1}{mark:1} {:>8.2}×",
             s.name,
             params,
-            fused,
-            stock,
-            stock / fused,
-            tokens / (fused / 1e3),
-            fused / s.torch_ms
+            naive,
+            ours,
+            naive / ours,
+            tokens / (ours / 1e3),
+            torch_ms,
+            ours / torch_ms
         );
     }
     println!();
-    println!("ratio: stock candle AdamW step time / streamrl's (higher is better).");
-    println!("vs torch: streamrl step time / PyTorch 2.15 CPU single-threaded on the same shape");
-    println!("(≈50 ms, 275 ms, 6.8 s, measured on this machine for issue #3; below 1.00× beats it).");
+    println!("naive: the same model op by op in candle (what runs off the CPU) with candle's stock AdamW;");
+    println!("streamrl: fused training ops (streamrl_model::fused) and streamrl's fused AdamW.");
+    match torch {
+        Some(_) => println!(
+            "torch: PyTorch + transformers LlamaForCausalLM of the same shape, 1 thread, AdamW, best of {steps} steps, this run."
+        ),
+        None => println!(
+            "torch *: recorded for issue #3 on this machine (PyTorch 2.15, 1 thread): no python3 here imports torch and\n\
+             transformers (also tried $STREAMRL_TOOLS_DIR/py and target/test-tools/py, where the interop tests install them)."
+        ),
+    }
+    println!("vs torch: streamrl step time / torch's (below 1.00× beats it).");
     checkpointing_table()
+}
+
+const TORCH_SCRIPT: &str = r#"
+import json, sys, time, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.set_num_threads(1)
+torch.manual_seed(0)
+steps = int(sys.argv[1])
+for spec in map(json.loads, sys.argv[2:]):
+    cfg = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["d"], intermediate_size=spec["ff"],
+                      num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
+                      num_key_value_heads=spec["kv"], rms_norm_eps=1e-5, rope_theta=spec["theta"],
+                      max_position_embeddings=256, tie_word_embeddings=False)
+    m = LlamaForCausalLM(cfg).float().train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    b, t, v = spec["batch"], spec["seq"], spec["vocab"]
+    ids = torch.tensor([[(r * 7 + i * 13) % v for i in range(t)] for r in range(b)])
+    best = float("inf")
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i > 0:
+            best = min(best, time.perf_counter() - t0)
+    print(json.dumps({"ms": best * 1e3}), flush=True)
+"#;
+
+/// PyTorch's step time (ms) at every shape, run now in a python3 that imports torch and
+/// transformers; `None` when there is none.
+fn torch_step_ms(shapes: &[Shape], steps: usize) -> Result<Option<Vec<f64>>> {
+    let Some(pythonpath) = crate::bench_generate::torch_python() else {
+        return Ok(None);
+    };
+    let specs: Vec<String> = shapes
+        .iter()
+        .map(|s| {
+            serde_json::json!({
+                "vocab": s.hf.vocab_size, "d": s.hf.hidden_size, "ff": s.hf.intermediate_size,
+                "layers": s.hf.num_hidden_layers, "heads": s.hf.num_attention_heads,
+                "kv": s.hf.num_key_value_heads.unwrap_or(s.hf.num_attention_heads),
+                "theta": s.hf.rope_theta, "batch": s.batch, "seq": s.seq,
+            })
+            .to_string()
+        })
+        .collect();
+    let mut c = std::process::Command::new("python3");
+    c.arg("-c")
+        .arg(TORCH_SCRIPT)
+        .arg(steps.max(1).to_string())
+        .args(&specs)
+        .env("OMP_NUM_THREADS", "1");
+    if let Some(p) = pythonpath {
+        c.env("PYTHONPATH", p);
+    }
+    let out = c.output().context("run python3 for the torch comparison")?;
+    if !out.status.success() {
+        bail!(
+            "the torch training script failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let ms = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value =
+                serde_json::from_str(l).with_context(|| format!("torch script printed {l:?}"))?;
+            v["ms"].as_f64().context("ms missing")
+        })
+        .collect::<Result<Vec<f64>>>()?;
+    if ms.len() != shapes.len() {
+        bail!("the torch script timed {} shapes of {}", ms.len(), shapes.len());
+    }
+    Ok(Some(ms))
 }
 
 /// The memory probe's shape: activations dominate (d256, 8 layers, 16 × 256 tokens).

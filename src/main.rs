@@ -175,6 +175,8 @@ fn load(path: &std::path::Path) -> Result<Topology> {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    // Training reuses its freed activation buffers instead of faulting them in again.
+    streamrl_kernels::alloc::retain_freed_memory();
     if matches!(cli.command, Command::Run { .. }) {
         one_thread_per_op();
     }

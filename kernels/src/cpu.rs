@@ -15,6 +15,33 @@
 //! assert_eq!(y, [1.0, 2.0, 3.0, 3.0, 4.0, 7.0]);
 //! ```
 
+/// Runs `f` compiled for the widest instruction set this CPU has (AVX-512, AVX2 + FMA, or
+/// the baseline), chosen at run time, so that plain loops inside it auto-vectorise to it.
+/// Helpers called inside must be `#[inline(always)]` to be compiled the same way.
+#[inline(always)]
+pub fn vectorized<R>(f: impl FnOnce() -> R) -> R {
+    pulp::Arch::new().dispatch(f)
+}
+
+/// `e^x` without a branch or a library call, so that loops over it vectorise: Cody–Waite
+/// range reduction and a degree-6 polynomial, within 3e-7 relative of e^x (2 ulp); 0 below
+/// −87.3, and clamped to `e^88.3` above (finite).
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // Round to nearest by the 1.5 · 2^23 trick (exact for |k| < 2^22).
+    const ROUND: f32 = 12_582_912.0;
+    let under = x < -87.3;
+    let x = x.clamp(-87.3, 88.3);
+    let k = (x * LOG2E + ROUND) - ROUND;
+    let r = x - k * LN2_HI - k * LN2_LO;
+    let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let scale = f32::from_bits(((k as i32 + 127) << 23) as u32);
+    if under { 0.0 } else { p * scale }
+}
+
 /// The transpose of a row-major `(rows, cols)` matrix, row-major `(cols, rows)`.
 pub fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     assert_eq!(
@@ -107,6 +134,189 @@ pub fn matmul(
     }
 }
 
+/// A strided matrix over a slice: element `(r, c)` is `data[r * rs + c * cs]`. Views of
+/// one head inside a `(tokens, heads, hd)` activation, or of a transpose, cost nothing.
+#[derive(Debug, Clone, Copy)]
+pub struct View<'a> {
+    /// The elements, from the view's first.
+    pub data: &'a [f32],
+    /// Rows of the matrix.
+    pub rows: usize,
+    /// Columns of the matrix.
+    pub cols: usize,
+    /// Distance between consecutive rows, in elements.
+    pub rs: usize,
+    /// Distance between consecutive columns, in elements.
+    pub cs: usize,
+}
+
+impl<'a> View<'a> {
+    /// A row-major `(rows, cols)` matrix starting at `data[0]`.
+    pub fn rows(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        View {
+            data,
+            rows,
+            cols,
+            rs: cols,
+            cs: 1,
+        }
+    }
+
+    /// The transpose (swaps the shape and the strides; no copy).
+    pub fn t(self) -> Self {
+        View {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+}
+
+/// The mutable counterpart of [`View`], the destination of [`gemm`].
+#[derive(Debug)]
+pub struct ViewMut<'a> {
+    /// The elements, from the view's first.
+    pub data: &'a mut [f32],
+    /// Rows of the matrix.
+    pub rows: usize,
+    /// Columns of the matrix.
+    pub cols: usize,
+    /// Distance between consecutive rows, in elements.
+    pub rs: usize,
+    /// Distance between consecutive columns, in elements.
+    pub cs: usize,
+}
+
+impl<'a> ViewMut<'a> {
+    /// A row-major `(rows, cols)` matrix starting at `data[0]`.
+    pub fn rows(data: &'a mut [f32], rows: usize, cols: usize) -> Self {
+        ViewMut {
+            data,
+            rows,
+            cols,
+            rs: cols,
+            cs: 1,
+        }
+    }
+}
+
+/// The last element a `(rows, cols)` view with these strides touches, plus one.
+fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * rs + (cols - 1) * cs + 1
+    }
+}
+
+/// `dst = scale · a @ b`, or `dst += scale · a @ b` when `accumulate`, over strided views
+/// (single-threaded).
+///
+/// # Panics
+/// When the shapes disagree or a view reaches past its slice.
+#[allow(unsafe_code)]
+pub fn gemm(dst: ViewMut<'_>, a: View<'_>, b: View<'_>, accumulate: bool, scale: f32) {
+    check_gemm(dst.data.len(), dst.rows, dst.cols, dst.rs, dst.cs, a, b);
+    if dst.rows == 0 || dst.cols == 0 {
+        return;
+    }
+    if a.cols == 0 {
+        if !accumulate {
+            for r in 0..dst.rows {
+                for c in 0..dst.cols {
+                    dst.data[r * dst.rs + c * dst.cs] = 0.0;
+                }
+            }
+        }
+        return;
+    }
+    // SAFETY: check_gemm keeps every access of all three views inside its slice; dst is a
+    // distinct &mut borrow, so it overlaps neither input.
+    unsafe { gemm_raw(dst.data.as_mut_ptr(), dst.rs, dst.cs, a, b, accumulate, scale) }
+}
+
+/// Asserts that `a @ b` fits a `(rows, cols)` destination of `len` elements with these
+/// strides and that each view stays inside its slice.
+fn check_gemm(len: usize, rows: usize, cols: usize, rs: usize, cs: usize, a: View<'_>, b: View<'_>) {
+    assert!(
+        a.cols == b.rows && rows == a.rows && cols == b.cols,
+        "gemm: ({}×{}) @ ({}×{}) into ({rows}×{cols})",
+        a.rows,
+        a.cols,
+        b.rows,
+        b.cols
+    );
+    for (what, len, need) in [
+        ("a", a.data.len(), extent(a.rows, a.cols, a.rs, a.cs)),
+        ("b", b.data.len(), extent(b.rows, b.cols, b.rs, b.cs)),
+        ("dst", len, extent(rows, cols, rs, cs)),
+    ] {
+        assert!(
+            len >= need,
+            "gemm: view {what} reaches element {need} of a slice of {len}"
+        );
+    }
+}
+
+/// # Safety
+/// `dst` must be valid for writes (and, when `accumulate`, reads) of every element of an
+/// `(a.rows, b.cols)` matrix with strides `rs`, `cs`, overlapping neither view; the views
+/// must stay inside their slices; `a.cols > 0`.
+#[allow(unsafe_code)]
+unsafe fn gemm_raw(dst: *mut f32, rs: usize, cs: usize, a: View<'_>, b: View<'_>, accumulate: bool, scale: f32) {
+    // SAFETY: forwarded from the caller's contract.
+    unsafe {
+        gemm::gemm(
+            a.rows,
+            b.cols,
+            a.cols,
+            dst,
+            cs as isize,
+            rs as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            1.0,
+            scale,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// `scale · a @ b` into a new row-major `(a.rows, b.cols)` matrix, which gemm writes
+/// without reading (no zero fill first).
+///
+/// # Panics
+/// When the shapes disagree or a view reaches past its slice.
+#[allow(unsafe_code)]
+pub fn gemm_new(a: View<'_>, b: View<'_>, scale: f32) -> Vec<f32> {
+    let (rows, cols) = (a.rows, b.cols);
+    let n = rows * cols;
+    if a.cols == 0 {
+        return vec![0.0; n];
+    }
+    check_gemm(n, rows, cols, cols, 1, a, b);
+    let mut out: Vec<f32> = Vec::with_capacity(n);
+    if n > 0 {
+        // SAFETY: the capacity holds n elements (a distinct allocation, so no overlap);
+        // gemm with `accumulate: false` (beta 0, read_dst false) writes every element of
+        // dst without reading it; check_gemm bounded the views.
+        unsafe { gemm_raw(out.as_mut_ptr(), cols, 1, a, b, false, scale) };
+    }
+    // SAFETY: the n elements were all written just above.
+    unsafe { out.set_len(n) };
+    out
+}
+
 /// Dot product (eight partial sums, which the compiler maps onto SIMD lanes).
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
@@ -128,12 +338,39 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// RMSNorm of every row of `x` (rows of `w.len()`): `out = x / sqrt(mean(x²) + eps) · w`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
-    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let r = (xr.iter().map(|v| v * v).sum::<f32>() / d as f32 + eps).sqrt();
-        for ((o, v), w) in or.iter_mut().zip(xr).zip(w) {
-            *o = v / r * w;
+    vectorized(|| {
+        for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+            let r = (sum_sq(xr) / d as f32 + eps).sqrt();
+            for ((o, v), w) in or.iter_mut().zip(xr).zip(w) {
+                *o = v / r * w;
+            }
+        }
+    })
+}
+
+/// Σ x², in sixteen partial sums (so that it vectorises).
+#[inline(always)]
+pub fn sum_sq(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let split = x.len() / 16 * 16;
+    for c in x[..split].chunks_exact(16) {
+        for l in 0..16 {
+            acc[l] += c[l] * c[l];
         }
     }
+    acc.iter().sum::<f32>() + x[split..].iter().map(|v| v * v).sum::<f32>()
+}
+
+/// RMSNorm of every row of `x` (rows of `w.len()`) in place.
+pub fn rms_norm_rows_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    vectorized(|| {
+        for row in x.chunks_exact_mut(w.len()) {
+            let r = (sum_sq(row) / w.len() as f32 + eps).sqrt();
+            for (v, w) in row.iter_mut().zip(w) {
+                *v = *v / r * w;
+            }
+        }
+    })
 }
 
 /// RMSNorm of one row in place.
@@ -166,23 +403,26 @@ pub fn rope(x: &mut [f32], cos: &[f32], sin: &[f32], interleaved: bool) {
 }
 
 /// Softmax of `x` in place.
+#[inline(always)]
 pub fn softmax_in_place(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
     for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
+        *v = exp(*v - max);
     }
+    let sum: f32 = x.iter().sum();
+    let inv = 1.0 / sum;
     for v in x.iter_mut() {
-        *v /= sum;
+        *v *= inv;
     }
 }
 
 /// `out[i] = silu(gate[i]) · up[i]`.
 pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g / ((-g).exp() + 1.0) * u;
-    }
+    vectorized(|| {
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            *o = g / (exp(-g) + 1.0) * u;
+        }
+    })
 }
 
 /// Grouped-query attention of one token over a sequence's cached keys and values.
@@ -262,6 +502,65 @@ mod tests {
     #[should_panic(expected = "matmul: x 3 (need 2×2)")]
     fn matmul_refuses_short_slices() {
         matmul(&[0.0; 3], 2, &[0.0; 4], 2, 2, &mut [0.0; 4], false, 1);
+    }
+
+    #[test]
+    fn strided_gemm_matches_the_definition_for_transposed_and_interleaved_views() {
+        // a: head 1 of a (3 tokens, 2 heads, 4) activation; b: the transpose of a (5, 4)
+        // matrix; dst: every other column of a (3, 10) buffer.
+        let act = data(3 * 2 * 4, 21);
+        let a = View {
+            data: &act[4..],
+            rows: 3,
+            cols: 4,
+            rs: 8,
+            cs: 1,
+        };
+        let bm = data(5 * 4, 22);
+        let b = View::rows(&bm, 5, 4).t();
+        let mut buf = vec![1f32; 3 * 10];
+        let want = |r: usize, c: usize| -> f32 { (0..4).map(|k| act[r * 8 + 4 + k] * bm[c * 4 + k]).sum() };
+        gemm(
+            ViewMut {
+                data: &mut buf,
+                rows: 3,
+                cols: 5,
+                rs: 10,
+                cs: 2,
+            },
+            a,
+            b,
+            true,
+            0.5,
+        );
+        for r in 0..3 {
+            for c in 0..5 {
+                let got = buf[r * 10 + 2 * c];
+                let w = 1.0 + 0.5 * want(r, c);
+                assert!((got - w).abs() < 1e-5, "({r}, {c}): {got} vs {w}");
+                assert_eq!(buf[r * 10 + 2 * c + 1], 1.0, "the other columns are untouched");
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "view a reaches element 22 of a slice of 20")]
+    fn strided_gemm_refuses_a_view_past_its_slice() {
+        let x = [0f32; 20];
+        let mut d = [0f32; 9];
+        gemm(
+            ViewMut::rows(&mut d, 3, 3),
+            View {
+                data: &x,
+                rows: 3,
+                cols: 4,
+                rs: 9,
+                cs: 1,
+            },
+            View::rows(&x, 4, 3),
+            false,
+            1.0,
+        );
     }
 
     #[test]

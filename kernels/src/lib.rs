@@ -3,9 +3,13 @@
 //! the `cuda` feature, so that every build and every test works without a GPU.
 //!
 //! [`cpu`] holds the CPU kernels of the inference forward (matrix products through the
-//! `gemm` crate, norms, rotary embedding, grouped-query attention over a cache, SwiGLU),
-//! each tested against its definition. Kernels for the training path (fused log-softmax
-//! gather, masked importance-sampling loss, AdamW/Muon steps) and their CUDA versions are
-//! still to come; each GPU kernel will be tested against its CPU reference.
+//! `gemm` crate, over plain or strided views, norms, rotary embedding, grouped-query
+//! attention over a cache, SwiGLU), each tested against its definition. [`train`] holds the
+//! training forward's and backward's (packed-sequence attention, RMSNorm, SiLU·up and rotary
+//! backward, the log-softmax gather of per-token logprobs), each backward checked against
+//! finite differences. CUDA versions are still to come; each GPU kernel will be tested
+//! against its CPU reference.
 
+pub mod alloc;
 pub mod cpu;
+pub mod train;

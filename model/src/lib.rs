@@ -23,6 +23,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod engine;
 mod error;
+pub mod fused;
 pub mod generate;
 pub mod gguf;
 pub mod infer;

@@ -2,6 +2,8 @@
 //! (candle-nn's fused softmax/rms_norm/rope have no backward), reading top to bottom.
 //! Weight names mirror Hugging Face checkpoints through `vb.pp(...)`.
 
+use std::sync::Arc;
+
 use candle_core::{D, DType, Device, IndexOp, Module, Tensor};
 use candle_nn::{Init, VarBuilder};
 
@@ -31,6 +33,20 @@ impl Linear {
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = matmul_t(x, &self.w)?;
+        match &self.b {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+impl Linear {
+    /// [`Module::forward`], as one fused op (bias added after) when `fused`.
+    fn apply(&self, x: &Tensor, fused: bool) -> candle_core::Result<Tensor> {
+        if !fused {
+            return self.forward(x);
+        }
+        let y = crate::fused::linear(x, &self.w)?;
         match &self.b {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -77,12 +93,26 @@ impl Module for RmsNorm {
     }
 }
 
+impl RmsNorm {
+    /// [`Module::forward`], as one fused op when `fused`.
+    fn apply(&self, x: &Tensor, fused: bool) -> candle_core::Result<Tensor> {
+        if fused {
+            crate::fused::rms_norm(x, &self.w, self.eps)
+        } else {
+            self.forward(x)
+        }
+    }
+}
+
 /// Rotary position embedding tables.
 #[derive(Debug, Clone)]
 pub(crate) struct Rope {
     pub(crate) cos: Tensor,
     pub(crate) sin: Tensor,
     pub(crate) layout: RopeLayout,
+    /// Host copies of `cos` and `sin` for the fused ops.
+    pub(crate) cos_host: Arc<Vec<f32>>,
+    pub(crate) sin_host: Arc<Vec<f32>>,
 }
 
 impl Rope {
@@ -96,11 +126,15 @@ impl Rope {
         for p in 0..n {
             angles.extend(inv.iter().map(|f| p as f32 * f));
         }
+        let cos_host: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+        let sin_host: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
         let a = Tensor::from_vec(angles, (n, half), device)?;
         Ok(Rope {
             cos: a.cos()?,
             sin: a.sin()?,
             layout: cfg.rope_layout,
+            cos_host: Arc::new(cos_host),
+            sin_host: Arc::new(sin_host),
         })
     }
 
@@ -171,6 +205,35 @@ impl Attention {
             n_heads: h,
             n_kv: kv,
             hd,
+        })
+    }
+
+    /// The training forward (no cache) as fused ops, token-major throughout: x (B, T, d)
+    /// normalised; returns `residual + attention(x)`.
+    fn forward_fused(&self, x: &Tensor, f: &FusedCtx, residual: &Tensor) -> Result<Tensor> {
+        // (B, T, heads · hd) throughout: no reshape or transpose nodes.
+        let q = self.q.apply(x, true)?;
+        let k = self.k.apply(x, true)?;
+        let v = self.v.apply(x, true)?;
+        let (q, k) = match (&self.q_norm, &self.k_norm) {
+            // Per head: the fused RMSNorm normalises every group of head_dim values.
+            (Some(qn), Some(kn)) => (qn.apply(&q, true)?, kn.apply(&k, true)?),
+            _ => (q, k),
+        };
+        let scale = 1.0 / (self.hd as f64).sqrt();
+        let y = crate::fused::attention_roped(
+            &q,
+            &k,
+            &v,
+            f.mask.clone(),
+            self.n_heads,
+            self.n_kv,
+            scale,
+            Some(&f.rope),
+        )?;
+        Ok(match &self.o.b {
+            None => crate::fused::linear_residual(&y, &self.o.w, residual)?,
+            Some(_) => (residual + self.o.apply(&y, true)?)?,
         })
     }
 
@@ -286,6 +349,27 @@ impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.down
             .forward(&(self.gate.forward(x)?.silu()? * self.up.forward(x)?)?)
+    }
+}
+
+impl Mlp {
+    /// `residual + forward(x)` as two fused ops (SwiGLU up, then down onto the residual).
+    fn forward_fused(&self, x: &Tensor, residual: &Tensor) -> candle_core::Result<Tensor> {
+        if self.gate.b.is_some() || self.up.b.is_some() || self.down.b.is_some() {
+            return residual + self.apply(x, true)?;
+        }
+        let h = crate::fused::swiglu(x, &self.gate.w, &self.up.w)?;
+        crate::fused::linear_residual(&h, &self.down.w, residual)
+    }
+
+    /// [`Module::forward`], with SiLU·up as one fused op when `fused`.
+    fn apply(&self, x: &Tensor, fused: bool) -> candle_core::Result<Tensor> {
+        if fused {
+            let h = crate::fused::silu_mul(&self.gate.apply(x, true)?, &self.up.apply(x, true)?)?;
+            self.down.apply(&h, true)
+        } else {
+            self.forward(x)
+        }
     }
 }
 
@@ -426,6 +510,7 @@ impl Block {
         })
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: &Tensor,
@@ -434,13 +519,18 @@ impl Block {
         rope: &Rope,
         cache: LayerCache<'_>,
         aux: &mut Vec<(Tensor, MoeStats)>,
+        fused: Option<&FusedCtx>,
     ) -> Result<Tensor> {
-        let h = (x + self
-            .attn
-            .forward(&self.attn_norm.forward(x)?, positions, mask, rope, cache)?)?;
-        let n = self.ff_norm.forward(&h)?;
+        let on = fused.is_some();
+        let a = self.attn_norm.apply(x, on)?;
+        let h = match (fused, cache) {
+            (Some(f), LayerCache::None) => self.attn.forward_fused(&a, f, x)?,
+            (_, cache) => (x + self.attn.forward(&a, positions, mask, rope, cache)?)?,
+        };
+        let n = self.ff_norm.apply(&h, on)?;
         let f = match &self.ff {
-            FeedForward::Dense(m) => m.forward(&n)?,
+            FeedForward::Dense(m) if on => return Ok(m.forward_fused(&n, &h)?),
+            FeedForward::Dense(m) => m.apply(&n, on)?,
             FeedForward::Moe(m) => {
                 let (b, t, d) = n.dims3()?;
                 let (y, a, s) = m.forward(&n.reshape((b * t, d))?)?;
@@ -474,6 +564,13 @@ fn move_weight_grads(
     Ok(())
 }
 
+/// What the fused ops of one training forward share across layers: host copies of the
+/// attention mask and of the rotary tables and positions.
+pub(crate) struct FusedCtx {
+    mask: Arc<Vec<f32>>,
+    rope: crate::fused::RopeTables,
+}
+
 /// What a training forward returns besides logits.
 #[derive(Debug)]
 pub struct Aux {
@@ -493,6 +590,8 @@ pub struct Transformer {
     pub(crate) head: Option<Linear>,
     pub(crate) rope: Rope,
     pub(crate) device: Device,
+    /// Run the training forward through [`crate::fused`] (f32 on the CPU only).
+    pub(crate) fused: bool,
 }
 
 impl Transformer {
@@ -520,6 +619,7 @@ impl Transformer {
             head,
             rope: Rope::new(cfg, vb.device())?,
             device: vb.device().clone(),
+            fused: vb.device().is_cpu() && vb.dtype() == DType::F32,
         })
     }
 
@@ -531,6 +631,34 @@ impl Transformer {
     /// The device weights live on.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Whether the training forward runs through the fused ops of [`crate::fused`] (on by
+    /// default for f32 weights on the CPU) or op by op, as on every other device.
+    pub fn fused_ops(&self) -> bool {
+        self.fused
+    }
+
+    /// Turns the fused training ops on or off; on takes effect only for f32 weights on the
+    /// CPU. Both paths compute the same function (the tests compare their gradients).
+    pub fn set_fused_ops(&mut self, on: bool) {
+        self.fused = on && self.device.is_cpu() && self.embed.dtype() == DType::F32;
+    }
+
+    /// The fused ops' shared state for a forward over `positions` with `mask` and no cache.
+    fn fused_ctx(&self, positions: &Tensor, mask: &Tensor) -> Result<Option<FusedCtx>> {
+        if !self.fused {
+            return Ok(None);
+        }
+        Ok(Some(FusedCtx {
+            mask: Arc::new(mask.flatten_all()?.to_vec1::<f32>()?),
+            rope: crate::fused::RopeTables {
+                cos: self.rope.cos_host.clone(),
+                sin: self.rope.sin_host.clone(),
+                interleaved: self.rope.layout == RopeLayout::Interleaved,
+                positions: Arc::new(positions.flatten_all()?.to_vec1::<u32>()?),
+            },
+        }))
     }
 
     fn run(
@@ -553,6 +681,10 @@ impl Transformer {
             .index_select(&tokens.flatten_all()?, 0)?
             .reshape((b, t, self.cfg.d_model))?;
         let mut aux = Vec::new();
+        let fx = match &cache {
+            CacheArg::None => self.fused_ctx(positions, mask)?,
+            _ => None,
+        };
         for (i, blk) in self.blocks.iter().enumerate() {
             let c = match &mut cache {
                 CacheArg::None => LayerCache::None,
@@ -568,12 +700,13 @@ impl Transformer {
                     new_lens: lens,
                 },
             };
-            x = blk.forward(&x, positions, mask, &self.rope, c, &mut aux)?;
+            x = blk.forward(&x, positions, mask, &self.rope, c, &mut aux, fx.as_ref())?;
         }
-        let x = self.norm.forward(&x)?;
-        let logits = match &self.head {
-            Some(h) => h.forward(&x)?,
-            None => matmul_t(&x, &self.embed)?,
+        let x = self.norm.apply(&x, fx.is_some())?;
+        let logits = match (&self.head, fx.is_some()) {
+            (Some(h), on) => h.apply(&x, on)?,
+            (None, true) => crate::fused::linear(&x, &self.embed)?,
+            (None, false) => matmul_t(&x, &self.embed)?,
         };
         let balance_loss = aux
             .iter()
@@ -614,6 +747,7 @@ impl Transformer {
             .embed
             .index_select(&batch.tokens.flatten_all()?, 0)?
             .reshape((b, t, self.cfg.d_model))?;
+        let fx = self.fused_ctx(&batch.positions, &batch.mask)?;
         // Forward: keep each layer's input, detached, and nothing else.
         let mut inputs = Vec::with_capacity(self.blocks.len() + 1);
         inputs.push(x0.detach());
@@ -622,7 +756,15 @@ impl Transformer {
         for blk in &self.blocks {
             let mut aux = Vec::new();
             let x = inputs.last().expect("pushed");
-            let y = blk.forward(x, &batch.positions, &batch.mask, &self.rope, LayerCache::None, &mut aux)?;
+            let y = blk.forward(
+                x,
+                &batch.positions,
+                &batch.mask,
+                &self.rope,
+                LayerCache::None,
+                &mut aux,
+                fx.as_ref(),
+            )?;
             for (a, st) in aux {
                 balance = (balance + a.detach())?;
                 moe.push(st);
@@ -632,10 +774,11 @@ impl Transformer {
         let missing = |what: &str| Error::Shape(format!("activation checkpointing: no gradient reached {what}"));
         // The head: final norm, logits, loss.
         let top = candle_core::Var::from_tensor(inputs.last().expect("pushed"))?;
-        let h = self.norm.forward(top.as_tensor())?;
-        let logits = match &self.head {
-            Some(hd) => hd.forward(&h)?,
-            None => matmul_t(&h, &self.embed)?,
+        let h = self.norm.apply(top.as_tensor(), fx.is_some())?;
+        let logits = match (&self.head, fx.is_some()) {
+            (Some(hd), on) => hd.apply(&h, on)?,
+            (None, true) => crate::fused::linear(&h, &self.embed)?,
+            (None, false) => matmul_t(&h, &self.embed)?,
         };
         // Only the weights' gradients are kept across the passes (a backward also leaves
         // gradients for constants such as masks and rotary tables).
@@ -661,6 +804,7 @@ impl Transformer {
                 &self.rope,
                 LayerCache::None,
                 &mut aux,
+                fx.as_ref(),
             )?;
             let mut surrogate = (y * &g)?.sum_all()?;
             for (a, _) in &aux {
@@ -969,6 +1113,14 @@ impl Packed {
 /// Per-token logprobs at temperature `t`: `out[b, i] = log_softmax(logits[b, i-1] / t)[tokens[b, i]]`
 /// for i ≥ 1; column 0 (which has no preceding logits) is 0. Differentiable.
 pub fn token_logprobs(logits: &Tensor, tokens: &Tensor, temperature: f64) -> Result<Tensor> {
+    if crate::fused::supported(logits) {
+        return Ok(crate::fused::token_logprobs(logits, tokens, temperature)?);
+    }
+    token_logprobs_unfused(logits, tokens, temperature)
+}
+
+/// [`token_logprobs`] op by op (what runs off the CPU), kept for the tests that compare.
+pub fn token_logprobs_unfused(logits: &Tensor, tokens: &Tensor, temperature: f64) -> Result<Tensor> {
     let (b, t, _v) = logits.dims3()?;
     if t < 2 {
         return Ok(Tensor::zeros((b, t), DType::F32, logits.device())?);

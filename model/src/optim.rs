@@ -11,6 +11,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Tensor, Var};
 use candle_nn::VarMap;
 use serde::{Deserialize, Serialize};
+use streamrl_kernels::train;
 
 use crate::{Error, Result};
 
@@ -107,18 +108,13 @@ impl LrSchedule {
     }
 }
 
-/// One fused AdamW update of a contiguous f32 parameter, in place.
+/// One fused AdamW update of a contiguous f32 parameter, in place
+/// (`streamrl_kernels::train::adamw`).
 struct AdamWStep<'a> {
     grad: &'a [f32],
     m: Mutex<&'a mut [f32]>,
     v: Mutex<&'a mut [f32]>,
-    lr: f32,
-    decay: f32,
-    beta1: f32,
-    beta2: f32,
-    scale_m: f32,
-    scale_v: f32,
-    eps: f32,
+    h: train::AdamW,
 }
 
 impl InplaceOp1 for AdamWStep<'_> {
@@ -138,18 +134,7 @@ impl InplaceOp1 for AdamWStep<'_> {
         let theta = &mut data[layout.start_offset()..layout.start_offset() + self.grad.len()];
         let mut m = self.m.lock().map_err(|_| candle_core::Error::Msg("poisoned".into()))?;
         let mut v = self.v.lock().map_err(|_| candle_core::Error::Msg("poisoned".into()))?;
-        // The same f32 arithmetic, in the same order, as candle_nn::AdamW::step.
-        for i in 0..theta.len() {
-            let g = self.grad[i];
-            let nm = m[i] * self.beta1 + g * (1.0 - self.beta1);
-            let nv = v[i] * self.beta2 + (g * g) * (1.0 - self.beta2);
-            m[i] = nm;
-            v[i] = nv;
-            let m_hat = nm * self.scale_m;
-            let v_hat = nv * self.scale_v;
-            let next = theta[i] * self.decay;
-            theta[i] = next - (m_hat / (v_hat.sqrt() + self.eps)) * self.lr;
-        }
+        train::adamw(theta, self.grad, &mut m, &mut v, self.h);
         Ok(())
     }
 }
@@ -236,16 +221,17 @@ impl Optimizer {
     /// Clips the global gradient norm, then updates every parameter with rate `lr`.
     pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<StepStats> {
         self.step += 1;
+        // Gradients are read where they lie (made contiguous only when they are not).
         let mut sq = 0f64;
-        let mut host: Vec<Option<Vec<f32>>> = Vec::with_capacity(self.params.len());
+        let mut contiguous: Vec<Option<Tensor>> = Vec::with_capacity(self.params.len());
         for p in &self.params {
             match grads.get(p.var.as_tensor()) {
                 Some(g) => {
-                    let g = g.flatten_all()?.to_vec1::<f32>()?;
-                    sq += g.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>();
-                    host.push(Some(g));
+                    let g = g.contiguous()?;
+                    sq += crate::fused::with(&g, "gradient", |v| Ok(train::sum_sq_f64(v)))?;
+                    contiguous.push(Some(g));
                 }
-                None => host.push(None),
+                None => contiguous.push(None),
             }
         }
         let norm = sq.sqrt();
@@ -258,32 +244,32 @@ impl Optimizer {
         let scale_m = (1f64 / (1f64 - b1.powi(self.step as i32))) as f32;
         let scale_v = (1f64 / (1f64 - b2.powi(self.step as i32))) as f32;
         let mut missing = 0;
-        for (p, g) in self.params.iter_mut().zip(host) {
-            let Some(mut g) = g else {
+        for (p, g) in self.params.iter_mut().zip(contiguous) {
+            let Some(g) = g else {
                 missing += 1;
                 continue;
             };
-            if clip != 1.0 {
-                g.iter_mut().for_each(|x| *x *= clip);
-            }
             match &mut p.state {
-                State::AdamW { m, v } => {
+                State::AdamW { m, v } => crate::fused::with(&g, "gradient", |g| {
                     let op = AdamWStep {
-                        grad: &g,
+                        grad: g,
                         m: Mutex::new(m.as_mut_slice()),
                         v: Mutex::new(v.as_mut_slice()),
-                        lr: lr as f32,
-                        decay: (1f64 - lr * self.cfg.weight_decay) as f32,
-                        beta1: b1 as f32,
-                        beta2: b2 as f32,
-                        scale_m,
-                        scale_v,
-                        eps: self.cfg.eps as f32,
+                        h: train::AdamW {
+                            lr: lr as f32,
+                            decay: (1f64 - lr * self.cfg.weight_decay) as f32,
+                            beta1: b1 as f32,
+                            beta2: b2 as f32,
+                            scale_m,
+                            scale_v,
+                            eps: self.cfg.eps as f32,
+                            clip,
+                        },
                     };
-                    p.var.as_tensor().inplace_op1(&op)?;
-                }
+                    p.var.as_tensor().inplace_op1(&op)
+                })?,
                 State::Muon { momentum } => {
-                    let g = Tensor::from_vec(g, p.var.shape(), p.var.device())?;
+                    let g = if clip != 1.0 { (g * clip as f64)? } else { g };
                     let mu = self.cfg.muon_momentum;
                     let buf = ((&*momentum * mu)? + &g)?;
                     let nesterov = (g + (&buf * mu)?)?;

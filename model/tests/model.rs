@@ -159,6 +159,80 @@ fn activation_checkpointing_gives_the_same_gradients() {
     }
 }
 
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+#[test]
+fn fused_ops_give_the_op_by_op_logits_and_gradients_for_every_family() {
+    for (name, hf) in all_configs() {
+        let loaded = checkpoint::init(&hf, &Device::Cpu).unwrap();
+        assert!(loaded.model.fused_ops(), "{name}: f32 on the CPU runs fused by default");
+        let mut plain = loaded.model.clone();
+        plain.set_fused_ops(false);
+        assert!(!plain.fused_ops());
+        let batch = Packed::new(&samples(), &Device::Cpu).unwrap();
+        let (a, _) = loaded.model.forward(&batch).unwrap();
+        let (b, _) = plain.forward(&batch).unwrap();
+        let d = max_abs_diff(&a, &b);
+        assert!(d < 1e-5, "{name}: logits differ by {d}");
+        let fused = rl_loss(&loaded.model).backward().unwrap();
+        let reference = rl_loss(&plain).backward().unwrap();
+        let data = loaded.vars.data().lock().unwrap();
+        for (k, v) in data.iter() {
+            let r = reference
+                .get(v.as_tensor())
+                .unwrap_or_else(|| panic!("{name}: {k}: no reference gradient"));
+            let f = fused
+                .get(v.as_tensor())
+                .unwrap_or_else(|| panic!("{name}: {k}: no fused gradient"));
+            let scale = r.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            let d = max_abs_diff(f, r);
+            assert!(
+                d <= 1e-4 * scale.max(1e-3),
+                "{name}: {k} differs by {d} (scale {scale})"
+            );
+        }
+    }
+}
+
+#[test]
+fn fused_token_logprobs_equal_the_op_by_op_ones_with_gradients() {
+    let logits = Var::from_tensor(&Tensor::randn(0f32, 2.0, (3, 5, V), &Device::Cpu).unwrap()).unwrap();
+    let tokens = Tensor::from_vec(
+        (0..15u32).map(|i| (i * 7) % V as u32).collect::<Vec<_>>(),
+        (3, 5),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let weights = Tensor::randn(0f32, 1.0, (3, 5), &Device::Cpu).unwrap();
+    for temp in [1.0, 0.7] {
+        let a = streamrl_model::fused::token_logprobs(logits.as_tensor(), &tokens, temp).unwrap();
+        let b = streamrl_model::model::token_logprobs_unfused(logits.as_tensor(), &tokens, temp).unwrap();
+        assert!(max_abs_diff(&a, &b) < 1e-5, "temperature {temp}");
+        let ga = (a * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+        let gb = (b * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+        let (ga, gb) = (ga.get(logits.as_tensor()).unwrap(), gb.get(logits.as_tensor()).unwrap());
+        assert!(max_abs_diff(ga, gb) < 1e-5, "temperature {temp}: gradients differ");
+    }
+    let bad = Tensor::from_vec(vec![0u32, V as u32], (1, 2), &Device::Cpu).unwrap();
+    let lg = Tensor::zeros((1, 2, V), DType::F32, &Device::Cpu).unwrap();
+    let err = streamrl_model::fused::token_logprobs(&lg, &bad, 1.0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("token {V} outside the vocabulary of {V}")),
+        "{err}"
+    );
+}
+
 #[test]
 fn every_parameter_receives_a_nonzero_gradient() {
     for (name, hf) in all_configs() {

@@ -1,0 +1,677 @@
+//! CPU kernels of the training forward and backward: the pieces of a transformer step that
+//! candle would otherwise run as chains of small element-wise ops, each with its own
+//! temporaries (`streamrl_model::fused` wraps them as differentiable candle ops). Row-major
+//! `f32` slices everywhere; activations are token-major, `(tokens, heads, head_dim)`.
+//!
+//! ```
+//! use streamrl_kernels::train;
+//!
+//! // log_softmax(logits[0])[tokens[1]] for one row of two positions over a vocabulary of 2.
+//! let logits = [0.0, 0.0, 5.0, 5.0];
+//! let mut out = [9.0; 2];
+//! train::logprobs_forward(&logits, &[0, 1], 1, 2, 2, 1.0, &mut out);
+//! assert_eq!(out[0], 0.0);
+//! assert!((out[1] - 0.5f32.ln()).abs() < 1e-6);
+//! ```
+
+use crate::cpu::{self, View, ViewMut};
+
+/// Backward of RMSNorm `y = x · r · w`, `r = 1/sqrt(mean(x²) + eps)`, over rows of
+/// `w.len()`: writes `dx` and adds into `dw`.
+pub fn rms_norm_backward(x: &[f32], w: &[f32], eps: f32, gy: &[f32], dx: &mut [f32], dw: &mut [f32]) {
+    cpu::vectorized(|| rms_norm_backward_rows(x, w, eps, gy, dx, dw))
+}
+
+#[inline(always)]
+fn rms_norm_backward_rows(x: &[f32], w: &[f32], eps: f32, gy: &[f32], dx: &mut [f32], dw: &mut [f32]) {
+    let d = w.len();
+    for ((xr, gr), dxr) in x.chunks_exact(d).zip(gy.chunks_exact(d)).zip(dx.chunks_exact_mut(d)) {
+        let r = 1.0 / (cpu::sum_sq(xr) / d as f32 + eps).sqrt();
+        let mut dot = 0f32;
+        for ((&xv, &g), (&wv, dwv)) in xr.iter().zip(gr).zip(w.iter().zip(dw.iter_mut())) {
+            dot += g * wv * xv;
+            *dwv += g * xv * r;
+        }
+        let c = dot * r * r * r / d as f32;
+        for ((o, &xv), (&g, &wv)) in dxr.iter_mut().zip(xr).zip(gr.iter().zip(w)) {
+            *o = g * wv * r - xv * c;
+        }
+    }
+}
+
+/// Rotary embedding in place of `x` `(tokens, heads, hd)`, token `i` at `positions[i]`;
+/// `cos` and `sin` are tables `(max_positions, hd / 2)`. `inverse` rotates by the negative
+/// angle: the backward of the rotation (which is orthogonal).
+#[allow(clippy::too_many_arguments)]
+pub fn rope(
+    x: &mut [f32],
+    positions: &[u32],
+    heads: usize,
+    hd: usize,
+    cos: &[f32],
+    sin: &[f32],
+    interleaved: bool,
+    inverse: bool,
+) {
+    let half = hd / 2;
+    let sign = if inverse { -1.0 } else { 1.0 };
+    let mut s = vec![0f32; half];
+    for (row, &p) in x.chunks_exact_mut(heads * hd).zip(positions) {
+        let p = p as usize;
+        let c = &cos[p * half..(p + 1) * half];
+        for (d, &v) in s.iter_mut().zip(&sin[p * half..(p + 1) * half]) {
+            *d = sign * v;
+        }
+        for h in row.chunks_exact_mut(hd) {
+            cpu::rope(h, c, &s, interleaved);
+        }
+    }
+}
+
+/// Backward of `y = silu(g) · u`: writes `dg` and `du`.
+pub fn silu_mul_backward(g: &[f32], u: &[f32], gy: &[f32], dg: &mut [f32], du: &mut [f32]) {
+    cpu::vectorized(|| {
+        for (((&gv, &uv), &dy), (dgv, duv)) in g.iter().zip(u).zip(gy).zip(dg.iter_mut().zip(du.iter_mut())) {
+            let s = 1.0 / (1.0 + cpu::exp(-gv));
+            *duv = dy * gv * s;
+            *dgv = dy * uv * s * (1.0 + gv * (1.0 - s));
+        }
+    })
+}
+
+/// The shape of an attention call: `batch` rows of `seq` tokens; `q` is
+/// `(batch, seq, heads, hd)`, `k` and `v` are `(batch, seq, kv_heads, hd)`; head `h` reads
+/// kv head `h / (heads / kv_heads)`; `mask` is additive `(batch or 1, seq, seq)`.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    /// Rows.
+    pub batch: usize,
+    /// Tokens per row.
+    pub seq: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (dividing `heads`).
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub hd: usize,
+    /// Score scale, usually `1/sqrt(hd)`.
+    pub scale: f32,
+}
+
+impl AttnShape {
+    fn check(&self, q: &[f32], k: &[f32], v: &[f32], mask: &[f32]) {
+        let (b, t) = (self.batch, self.seq);
+        assert!(
+            self.kv_heads > 0 && self.heads.is_multiple_of(self.kv_heads),
+            "attention: {} heads over {} kv heads",
+            self.heads,
+            self.kv_heads
+        );
+        assert!(
+            q.len() == b * t * self.heads * self.hd
+                && k.len() == b * t * self.kv_heads * self.hd
+                && v.len() == k.len()
+                && (mask.len() == t * t || mask.len() == b * t * t),
+            "attention: q {}, k {}, v {}, mask {} for {self:?}",
+            q.len(),
+            k.len(),
+            v.len(),
+            mask.len()
+        );
+    }
+
+    /// Views of head `h` of batch row `r`: (q, k, v) as `(seq, hd)` strided matrices.
+    fn head<'a>(&self, q: &'a [f32], k: &'a [f32], v: &'a [f32], r: usize, h: usize) -> [View<'a>; 3] {
+        let (t, hd) = (self.seq, self.hd);
+        let g = h / (self.heads / self.kv_heads);
+        let qo = r * t * self.heads * hd + h * hd;
+        let ko = r * t * self.kv_heads * hd + g * hd;
+        [
+            View {
+                data: &q[qo..],
+                rows: t,
+                cols: hd,
+                rs: self.heads * hd,
+                cs: 1,
+            },
+            View {
+                data: &k[ko..],
+                rows: t,
+                cols: hd,
+                rs: self.kv_heads * hd,
+                cs: 1,
+            },
+            View {
+                data: &v[ko..],
+                rows: t,
+                cols: hd,
+                rs: self.kv_heads * hd,
+                cs: 1,
+            },
+        ]
+    }
+
+    /// `p (seq, seq) = softmax(scale · q kᵀ + mask)` for head `h` of row `r`.
+    #[allow(clippy::too_many_arguments)]
+    fn probs(&self, q: &[f32], k: &[f32], v: &[f32], mask: &[f32], r: usize, h: usize, p: &mut [f32]) {
+        let t = self.seq;
+        let [qh, kh, _] = self.head(q, k, v, r, h);
+        cpu::gemm(ViewMut::rows(p, t, t), qh, kh.t(), false, self.scale);
+        let m = if mask.len() == t * t {
+            mask
+        } else {
+            &mask[r * t * t..(r + 1) * t * t]
+        };
+        for (row, mrow) in p.chunks_exact_mut(t).zip(m.chunks_exact(t)) {
+            for (s, &a) in row.iter_mut().zip(mrow) {
+                *s += a;
+            }
+            cpu::softmax_in_place(row);
+        }
+    }
+}
+
+/// Attention forward: `out (batch, seq, heads, hd) = softmax(scale · q kᵀ + mask) v` per head.
+pub fn attention_forward(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], mask: &[f32], out: &mut [f32]) {
+    s.check(q, k, v, mask);
+    let (t, hd) = (s.seq, s.hd);
+    let mut p = vec![0f32; t * t];
+    for r in 0..s.batch {
+        for h in 0..s.heads {
+            s.probs(q, k, v, mask, r, h, &mut p);
+            let [_, _, vh] = s.head(q, k, v, r, h);
+            let o = r * t * s.heads * hd + h * hd;
+            let dst = ViewMut {
+                data: &mut out[o..],
+                rows: t,
+                cols: hd,
+                rs: s.heads * hd,
+                cs: 1,
+            };
+            cpu::gemm(dst, View::rows(&p, t, t), vh, false, 1.0);
+        }
+    }
+}
+
+/// Attention backward: given `dout`, writes `dq` and `dk`, `dv` (summed over the heads that
+/// share a kv head). The probabilities are recomputed, not stored.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    s: AttnShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    mask: &[f32],
+    dout: &[f32],
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+) {
+    s.check(q, k, v, mask);
+    let (t, hd) = (s.seq, s.hd);
+    dk.fill(0.0);
+    dv.fill(0.0);
+    let mut p = vec![0f32; t * t];
+    let mut dp = vec![0f32; t * t];
+    let rep = s.heads / s.kv_heads;
+    for r in 0..s.batch {
+        for h in 0..s.heads {
+            s.probs(q, k, v, mask, r, h, &mut p);
+            let [qh, kh, vh] = s.head(q, k, v, r, h);
+            let qo = r * t * s.heads * hd + h * hd;
+            let ko = r * t * s.kv_heads * hd + (h / rep) * hd;
+            let doh = View {
+                data: &dout[qo..],
+                rows: t,
+                cols: hd,
+                rs: s.heads * hd,
+                cs: 1,
+            };
+            // dv += pᵀ dout
+            let dst = ViewMut {
+                data: &mut dv[ko..],
+                rows: t,
+                cols: hd,
+                rs: s.kv_heads * hd,
+                cs: 1,
+            };
+            cpu::gemm(dst, View::rows(&p, t, t).t(), doh, true, 1.0);
+            // dp = dout vᵀ; ds = p ∘ (dp − rowsum(p ∘ dp))
+            cpu::gemm(ViewMut::rows(&mut dp, t, t), doh, vh.t(), false, 1.0);
+            for (pr, dr) in p.chunks_exact(t).zip(dp.chunks_exact_mut(t)) {
+                let c: f32 = pr.iter().zip(dr.iter()).map(|(a, b)| a * b).sum();
+                for (d, &pv) in dr.iter_mut().zip(pr) {
+                    *d = pv * (*d - c);
+                }
+            }
+            // dq = scale · ds k; dk += scale · dsᵀ q
+            let dst = ViewMut {
+                data: &mut dq[qo..],
+                rows: t,
+                cols: hd,
+                rs: s.heads * hd,
+                cs: 1,
+            };
+            cpu::gemm(dst, View::rows(&dp, t, t), kh, false, s.scale);
+            let dst = ViewMut {
+                data: &mut dk[ko..],
+                rows: t,
+                cols: hd,
+                rs: s.kv_heads * hd,
+                cs: 1,
+            };
+            cpu::gemm(dst, View::rows(&dp, t, t).t(), qh, true, s.scale);
+        }
+    }
+}
+
+/// Per-token logprobs of `tokens` `(batch, seq)` under `logits` `(batch, seq, vocab)` at
+/// temperature `temp`: `out[b, i] = log_softmax(logits[b, i − 1] / temp)[tokens[b, i]]`
+/// for `i ≥ 1`, and `out[b, 0] = 0`.
+///
+/// # Panics
+/// When a token is outside the vocabulary or a slice is the wrong length.
+pub fn logprobs_forward(
+    logits: &[f32],
+    tokens: &[u32],
+    batch: usize,
+    seq: usize,
+    vocab: usize,
+    temp: f32,
+    out: &mut [f32],
+) {
+    cpu::vectorized(|| logprobs_forward_rows(logits, tokens, batch, seq, vocab, temp, out))
+}
+
+#[inline(always)]
+fn logprobs_forward_rows(
+    logits: &[f32],
+    tokens: &[u32],
+    batch: usize,
+    seq: usize,
+    vocab: usize,
+    temp: f32,
+    out: &mut [f32],
+) {
+    assert!(
+        logits.len() == batch * seq * vocab && tokens.len() == batch * seq && out.len() == batch * seq,
+        "logprobs: logits {}, tokens {}, out {} for {batch}×{seq}×{vocab}",
+        logits.len(),
+        tokens.len(),
+        out.len()
+    );
+    for b in 0..batch {
+        out[b * seq] = 0.0;
+        for i in 1..seq {
+            let row = &logits[(b * seq + i - 1) * vocab..(b * seq + i) * vocab];
+            let tok = tokens[b * seq + i] as usize;
+            assert!(tok < vocab, "logprobs: token {tok} outside the vocabulary of {vocab}");
+            let (max, lse) = log_sum_exp(row, temp);
+            out[b * seq + i] = row[tok] / temp - max - lse;
+        }
+    }
+}
+
+/// Backward of [`logprobs_forward`]: `dlogits[b, i − 1] = g[b, i] / temp · (onehot(tok) −
+/// softmax(logits[b, i − 1] / temp))`; the last position of each row gets zero.
+#[allow(clippy::too_many_arguments)]
+pub fn logprobs_backward(
+    logits: &[f32],
+    tokens: &[u32],
+    batch: usize,
+    seq: usize,
+    vocab: usize,
+    temp: f32,
+    g: &[f32],
+    dlogits: &mut [f32],
+) {
+    cpu::vectorized(|| logprobs_backward_rows(logits, tokens, batch, seq, vocab, temp, g, dlogits))
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn logprobs_backward_rows(
+    logits: &[f32],
+    tokens: &[u32],
+    batch: usize,
+    seq: usize,
+    vocab: usize,
+    temp: f32,
+    g: &[f32],
+    dlogits: &mut [f32],
+) {
+    assert!(
+        logits.len() == batch * seq * vocab && dlogits.len() == logits.len() && g.len() == batch * seq,
+        "logprobs backward: logits {}, g {}, dlogits {} for {batch}×{seq}×{vocab}",
+        logits.len(),
+        g.len(),
+        dlogits.len()
+    );
+    for b in 0..batch {
+        for i in 0..seq {
+            let at = (b * seq + i) * vocab;
+            let d = &mut dlogits[at..at + vocab];
+            if i + 1 == seq || g[b * seq + i + 1] == 0.0 {
+                d.fill(0.0);
+                continue;
+            }
+            let row = &logits[at..at + vocab];
+            let gi = g[b * seq + i + 1] / temp;
+            let (max, lse) = log_sum_exp(row, temp);
+            let shift = max + lse;
+            let inv = 1.0 / temp;
+            for (o, &l) in d.iter_mut().zip(row) {
+                *o = -gi * cpu::exp(l * inv - shift);
+            }
+            d[tokens[b * seq + i + 1] as usize] += gi;
+        }
+    }
+}
+
+/// `(max, ln Σ exp(x/temp − max))` of a row.
+#[inline(always)]
+fn log_sum_exp(row: &[f32], temp: f32) -> (f32, f32) {
+    let inv = 1.0 / temp;
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * inv;
+    let mut acc = [0f32; 16];
+    let split = row.len() / 16 * 16;
+    for c in row[..split].chunks_exact(16) {
+        for l in 0..16 {
+            acc[l] += cpu::exp(c[l] * inv - max);
+        }
+    }
+    let tail: f32 = row[split..].iter().map(|&v| cpu::exp(v * inv - max)).sum();
+    (max, (acc.iter().sum::<f32>() + tail).ln())
+}
+
+/// The AdamW hyper-parameters of one update, with the bias corrections of its step.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamW {
+    /// Learning rate.
+    pub lr: f32,
+    /// `1 − lr · weight_decay`.
+    pub decay: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// `1 / (1 − beta1^step)`.
+    pub scale_m: f32,
+    /// `1 / (1 − beta2^step)`.
+    pub scale_v: f32,
+    /// Denominator epsilon.
+    pub eps: f32,
+    /// Gradient factor (clipping; 1 otherwise).
+    pub clip: f32,
+}
+
+/// One AdamW update in place, with the same f32 arithmetic in the same order as
+/// `candle_nn::AdamW::step` (so both give identical parameters).
+pub fn adamw(theta: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], h: AdamW) {
+    assert!(
+        grad.len() == theta.len() && m.len() == theta.len() && v.len() == theta.len(),
+        "adamw: parameter {}, gradient {}, moments {} and {}",
+        theta.len(),
+        grad.len(),
+        m.len(),
+        v.len()
+    );
+    cpu::vectorized(|| {
+        for (((t, &g), m), v) in theta.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+            let g = g * h.clip;
+            let nm = *m * h.beta1 + g * (1.0 - h.beta1);
+            let nv = *v * h.beta2 + (g * g) * (1.0 - h.beta2);
+            *m = nm;
+            *v = nv;
+            let m_hat = nm * h.scale_m;
+            let v_hat = nv * h.scale_v;
+            let next = *t * h.decay;
+            *t = next - (m_hat / (v_hat.sqrt() + h.eps)) * h.lr;
+        }
+    })
+}
+
+/// Σ x² in f64 (a gradient norm's square), vectorised.
+pub fn sum_sq_f64(x: &[f32]) -> f64 {
+    cpu::vectorized(|| {
+        let mut acc = [0f64; 8];
+        let split = x.len() / 8 * 8;
+        for c in x[..split].chunks_exact(8) {
+            for l in 0..8 {
+                acc[l] += c[l] as f64 * c[l] as f64;
+            }
+        }
+        acc.iter().sum::<f64>() + x[split..].iter().map(|&v| v as f64 * v as f64).sum::<f64>()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) % 1000) as f32 / 500.0 - 1.0)
+            .collect()
+    }
+
+    /// Central finite difference of `f` along every input element, against `analytic`.
+    fn check_grad(x: &mut [f32], analytic: &[f32], mut f: impl FnMut(&[f32]) -> f64, tol: f64) {
+        let eps = 1e-2f32;
+        for i in 0..x.len() {
+            let v = x[i];
+            x[i] = v + eps;
+            let up = f(x);
+            x[i] = v - eps;
+            let down = f(x);
+            x[i] = v;
+            let fd = (up - down) / (2.0 * eps as f64);
+            let a = analytic[i] as f64;
+            assert!(
+                (fd - a).abs() <= tol * (1.0 + fd.abs()),
+                "element {i}: finite difference {fd} vs analytic {a}"
+            );
+        }
+    }
+
+    #[test]
+    fn rms_norm_backward_matches_finite_differences() {
+        let (rows, d) = (3, 8);
+        let mut x = data(rows * d, 1);
+        let mut w = data(d, 2);
+        let gy = data(rows * d, 3);
+        let loss = |x: &[f32], w: &[f32]| -> f64 {
+            let mut y = vec![0f32; x.len()];
+            cpu::rms_norm(x, w, 1e-5, &mut y);
+            y.iter().zip(&gy).map(|(a, b)| (a * b) as f64).sum()
+        };
+        let mut dx = vec![0f32; rows * d];
+        let mut dw = vec![0f32; d];
+        rms_norm_backward(&x, &w, 1e-5, &gy, &mut dx, &mut dw);
+        let w0 = w.clone();
+        check_grad(&mut x, &dx, |x| loss(x, &w0), 2e-2);
+        let x0 = x.clone();
+        check_grad(&mut w, &dw, |w| loss(&x0, w), 2e-2);
+    }
+
+    #[test]
+    fn inverse_rope_undoes_rope() {
+        let (t, heads, hd) = (3, 2, 8);
+        let cos = data(4 * hd / 2, 4);
+        let sin: Vec<f32> = cos.iter().map(|c| (1.0 - c * c).sqrt()).collect();
+        for interleaved in [false, true] {
+            let x0 = data(t * heads * hd, 5);
+            let mut x = x0.clone();
+            rope(&mut x, &[0, 3, 1], heads, hd, &cos, &sin, interleaved, false);
+            assert!(x.iter().zip(&x0).any(|(a, b)| (a - b).abs() > 1e-3));
+            rope(&mut x, &[0, 3, 1], heads, hd, &cos, &sin, interleaved, true);
+            for (a, b) in x.iter().zip(&x0) {
+                assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn silu_mul_backward_matches_finite_differences() {
+        let mut g = data(16, 6);
+        let mut u = data(16, 7);
+        let gy = data(16, 8);
+        let loss = |g: &[f32], u: &[f32]| -> f64 {
+            let mut y = vec![0f32; g.len()];
+            cpu::silu_mul(g, u, &mut y);
+            y.iter().zip(&gy).map(|(a, b)| (a * b) as f64).sum()
+        };
+        let (mut dg, mut du) = (vec![0f32; 16], vec![0f32; 16]);
+        silu_mul_backward(&g, &u, &gy, &mut dg, &mut du);
+        let u0 = u.clone();
+        check_grad(&mut g, &dg, |g| loss(g, &u0), 1e-2);
+        let g0 = g.clone();
+        check_grad(&mut u, &du, |u| loss(&g0, u), 1e-2);
+    }
+
+    /// Attention by its definition, one score at a time.
+    fn naive_attention(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], mask: &[f32]) -> Vec<f32> {
+        let (t, hd, rep) = (s.seq, s.hd, s.heads / s.kv_heads);
+        let mut out = vec![0f32; q.len()];
+        for r in 0..s.batch {
+            for h in 0..s.heads {
+                let g = h / rep;
+                for i in 0..t {
+                    let qi = &q[((r * t + i) * s.heads + h) * hd..][..hd];
+                    let mut sc: Vec<f32> = (0..t)
+                        .map(|j| {
+                            let kj = &k[((r * t + j) * s.kv_heads + g) * hd..][..hd];
+                            let m = if mask.len() == t * t {
+                                mask[i * t + j]
+                            } else {
+                                mask[(r * t + i) * t + j]
+                            };
+                            cpu::dot(qi, kj) * s.scale + m
+                        })
+                        .collect();
+                    cpu::softmax_in_place(&mut sc);
+                    for (j, p) in sc.iter().enumerate() {
+                        let vj = &v[((r * t + j) * s.kv_heads + g) * hd..][..hd];
+                        for (o, x) in out[((r * t + i) * s.heads + h) * hd..][..hd].iter_mut().zip(vj) {
+                            *o += p * x;
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn attention_matches_its_definition_and_its_gradients_match_finite_differences() {
+        let s = AttnShape {
+            batch: 2,
+            seq: 5,
+            heads: 4,
+            kv_heads: 2,
+            hd: 4,
+            scale: 0.5,
+        };
+        let mut q = data(2 * 5 * 4 * 4, 9);
+        let mut k = data(2 * 5 * 2 * 4, 10);
+        let mut v = data(2 * 5 * 2 * 4, 11);
+        // Causal, with row 1 packing two samples (0..2 and 2..5).
+        let mut mask = vec![-1e9f32; 2 * 5 * 5];
+        for r in 0..2 {
+            for i in 0..5 {
+                for j in 0..=i {
+                    if r == 0 || (i < 2) == (j < 2) {
+                        mask[(r * 5 + i) * 5 + j] = 0.0;
+                    }
+                }
+            }
+        }
+        let mut out = vec![0f32; q.len()];
+        attention_forward(s, &q, &k, &v, &mask, &mut out);
+        let want = naive_attention(s, &q, &k, &v, &mask);
+        for (a, b) in out.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+        let gy = data(q.len(), 12);
+        let loss = |q: &[f32], k: &[f32], v: &[f32]| -> f64 {
+            naive_attention(s, q, k, v, &mask)
+                .iter()
+                .zip(&gy)
+                .map(|(a, b)| (a * b) as f64)
+                .sum()
+        };
+        let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![1f32; k.len()], vec![1f32; v.len()]);
+        attention_backward(s, &q, &k, &v, &mask, &gy, &mut dq, &mut dk, &mut dv);
+        let (k0, v0) = (k.clone(), v.clone());
+        check_grad(&mut q, &dq, |q| loss(q, &k0, &v0), 2e-2);
+        let q0 = q.clone();
+        check_grad(&mut k, &dk, |k| loss(&q0, k, &v0), 2e-2);
+        let k0 = k.clone();
+        check_grad(&mut v, &dv, |v| loss(&q0, &k0, v), 2e-2);
+    }
+
+    #[test]
+    fn logprobs_backward_matches_finite_differences() {
+        let (b, t, vocab) = (2, 3, 5);
+        let mut logits = data(b * t * vocab, 13);
+        let tokens = [1, 4, 0, 2, 3, 3];
+        let g = data(b * t, 14);
+        let temp = 0.7;
+        let loss = |l: &[f32]| -> f64 {
+            let mut out = vec![0f32; b * t];
+            logprobs_forward(l, &tokens, b, t, vocab, temp, &mut out);
+            out.iter().zip(&g).map(|(a, b)| (a * b) as f64).sum()
+        };
+        let mut d = vec![9f32; logits.len()];
+        logprobs_backward(&logits, &tokens, b, t, vocab, temp, &g, &mut d);
+        check_grad(&mut logits, &d, loss, 2e-2);
+    }
+
+    #[test]
+    fn fast_exp_is_within_3e_7_of_e_to_the_x() {
+        let mut worst = 0f64;
+        for i in -8730..=8830 {
+            let x = i as f32 / 100.0;
+            let (a, b) = (cpu::exp(x) as f64, (x as f64).exp());
+            worst = worst.max((a - b).abs() / b);
+        }
+        assert!(worst < 3e-7, "worst relative error {worst}");
+        assert_eq!(cpu::exp(-100.0), 0.0);
+        assert_eq!(cpu::exp(f32::NEG_INFINITY), 0.0);
+        assert!(cpu::exp(100.0).is_finite());
+    }
+
+    #[test]
+    fn adamw_follows_its_definition() {
+        let mut theta = vec![1.0f32, -2.0];
+        let (mut m, mut v) = (vec![0.1f32, 0.0], vec![0.01f32, 0.0]);
+        let h = AdamW {
+            lr: 0.1,
+            decay: 0.99,
+            beta1: 0.9,
+            beta2: 0.999,
+            scale_m: 2.0,
+            scale_v: 3.0,
+            eps: 1e-8,
+            clip: 0.5,
+        };
+        adamw(&mut theta, &[0.4, -1.0], &mut m, &mut v, h);
+        let g = [0.2f32, -0.5];
+        for i in 0..2 {
+            let nm = [0.1f32, 0.0][i] * 0.9 + g[i] * 0.1;
+            let nv = [0.01f32, 0.0][i] * 0.999 + g[i] * g[i] * 0.001;
+            let want = [1.0f32, -2.0][i] * 0.99 - nm * 2.0 / ((nv * 3.0).sqrt() + 1e-8) * 0.1;
+            assert!(
+                (theta[i] - want).abs() < 1e-5 && (m[i] - nm).abs() < 1e-6 && (v[i] - nv).abs() < 1e-8,
+                "{i}"
+            );
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "token 7 outside the vocabulary of 5")]
+    fn logprobs_refuse_a_token_outside_the_vocabulary() {
+        let mut out = [0f32; 2];
+        logprobs_forward(&[0.0; 10], &[0, 7], 1, 2, 5, 1.0, &mut out);
+    }
+}
