@@ -229,15 +229,39 @@ fn mount_scratch(cfg: &InitConfig, work: &Path, tmp: &Path) -> io::Result<()> {
 }
 
 /// Makes the sandbox as new: no processes, empty `/work` and `/tmp`, no IPC objects.
+///
+/// Scratch mounts that the last command left as they were mounted (empty, root mode and
+/// owner unchanged, no extended attributes) are kept: replacing them costs two unmounts
+/// and two mounts under the mount namespace's locks, most of a reset, and most commands
+/// (a test run, a tool call that prints) write nothing there.
 fn reset(cfg: &InitConfig) -> io::Result<()> {
     if !sys::kill_and_reap_all(std::time::Duration::from_secs(5)) {
         return Err(io::Error::other("processes survived SIGKILL for 5 s"));
     }
+    sys::ipc_remove_all();
+    let owner = cfg.run_as.unwrap_or(0);
+    if pristine(Path::new("/work"), 0o755, owner) && pristine(Path::new("/tmp"), 0o1777, 0) {
+        return Ok(());
+    }
     for d in ["/work", "/tmp"] {
         ctx(sys::umount2(Path::new(d), libc::MNT_DETACH), || format!("unmount {d}"))?;
     }
-    sys::ipc_remove_all();
     mount_scratch(cfg, Path::new("/work"), Path::new("/tmp"))
+}
+
+/// Whether the scratch mount at `dir` is as [`mount_scratch`] left it: no entries, its
+/// root's mode and owner as mounted, no extended attributes.
+fn pristine(dir: &Path, mode: u32, owner: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(md) = std::fs::symlink_metadata(dir) else {
+        return false;
+    };
+    md.is_dir()
+        && md.mode() & 0o7777 == mode
+        && md.uid() == owner
+        && md.gid() == owner
+        && sys::xattr_names_len(dir).is_ok_and(|n| n == 0)
+        && std::fs::read_dir(dir).is_ok_and(|mut entries| entries.next().is_none())
 }
 
 fn bind_ro(src: &Path, target: &Path) -> io::Result<()> {

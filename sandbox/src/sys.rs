@@ -77,6 +77,19 @@ pub fn umount2(target: &Path, flags: libc::c_int) -> io::Result<()> {
     check(unsafe { libc::umount2(t.as_ptr(), flags) }).map(|_| ())
 }
 
+/// The size of the list of extended attribute names of `path` (`llistxattr(2)`, not
+/// following a final symlink): 0 when it has none.
+pub fn xattr_names_len(path: &Path) -> io::Result<usize> {
+    let p = cstr(path)?;
+    // SAFETY: valid C string; a null buffer of size 0 asks only for the size.
+    let r = unsafe { libc::llistxattr(p.as_ptr(), std::ptr::null_mut(), 0) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
+}
+
 /// `pivot_root(2)`.
 pub fn pivot_root(new_root: &Path, put_old: &Path) -> io::Result<()> {
     let (a, b) = (cstr(new_root)?, cstr(put_old)?);

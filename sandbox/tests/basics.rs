@@ -112,6 +112,74 @@ print(libc.shmget(4242, 0, 0), os.path.exists("/work/left.txt"), os.path.exists(
     assert_eq!(pool.stats().cold_starts, 0, "{:?}", pool.stats());
 }
 
+/// A reset keeps scratch mounts the last command left untouched (the same mount, no
+/// remount) and replaces the ones it changed, contents or root alike. A kept mount shows
+/// through the modification time a command set on /work (which the check ignores).
+#[test]
+fn a_reset_replaces_only_scratch_mounts_that_were_changed() {
+    let cfg = SandboxConfig {
+        init: Some(env!("CARGO_BIN_EXE_streamrl-sandbox-init").into()),
+        pool_size: 1,
+        reuse: 100,
+        ..SandboxConfig::default()
+    };
+    let pool = Pool::new(cfg).unwrap();
+    let mut used = 0;
+    // Prints /work's mtime and mode, /tmp's mode, and what both hold; then runs `then`.
+    let mut probe = |then: &str| -> String {
+        // Each command after the first runs in the same sandbox, reset.
+        for _ in 0..200 {
+            if pool.stats().reused >= used {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(
+            pool.stats().reused >= used,
+            "the sandbox was not reused: {:?}",
+            pool.stats()
+        );
+        used += 1;
+        let code = format!(
+            r#"
+import os
+w, t = os.stat("/work"), os.stat("/tmp")
+print(int(w.st_mtime), oct(w.st_mode & 0o7777), oct(t.st_mode & 0o7777), os.listdir("/work"), os.listdir("/tmp"))
+{then}
+"#
+        );
+        let r = pool.exec(&ExecRequest::python(&code));
+        assert_eq!(r.status, ExecStatus::Ok, "{r:?}");
+        r.stdout.trim().to_string()
+    };
+    probe("os.utime('/work', (1234, 1234))");
+    assert_eq!(
+        probe("open('/work/f', 'w').write('x'); os.remove('/work/f'); os.utime('/work', (1234, 1234))"),
+        "1234 0o755 0o1777 [] []",
+        "kept"
+    );
+    assert_eq!(
+        probe("os.utime('/work', (1234, 1234)); open('/work/left', 'w').write('secret')"),
+        "1234 0o755 0o1777 [] []",
+        "a file created and removed leaves the mount as it was"
+    );
+    let fresh = probe("os.utime('/work', (1234, 1234)); os.chmod('/work', 0o700)");
+    assert!(
+        fresh.ends_with(" 0o755 0o1777 [] []") && !fresh.starts_with("1234 "),
+        "a file left in /work: fresh mounts, got {fresh}"
+    );
+    let fresh = probe("os.utime('/work', (1234, 1234)); open('/tmp/left', 'w').write('secret')");
+    assert!(
+        fresh.ends_with(" 0o755 0o1777 [] []") && !fresh.starts_with("1234 "),
+        "a changed /work root: fresh mounts, got {fresh}"
+    );
+    let fresh = probe("");
+    assert!(
+        fresh.ends_with(" 0o755 0o1777 [] []") && !fresh.starts_with("1234 "),
+        "a file left in /tmp: fresh mounts, got {fresh}"
+    );
+}
+
 /// What a command starts with, read from its own /proc status: nothing blocked or ignored
 /// (the init's SIGPIPE disposition is not inherited), no_new_privs, a seccomp filter, no
 /// capabilities, the rlimits asked for, and the environment and directory given.
