@@ -16,6 +16,27 @@ struct Run {
     p50: f64,
     p99: f64,
     per_sec: f64,
+    /// CPU time the whole machine spent per exec (user + nice + system, from /proc/stat):
+    /// the cost of a command independent of how the scheduler orders 64 of them.
+    cpu_ms: f64,
+}
+
+/// CPU time spent by the whole machine so far, ms (0 where /proc/stat cannot be read).
+fn machine_cpu_ms() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/stat") else {
+        return 0.0;
+    };
+    let ticks: u64 = stat
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .take(3)
+        .filter_map(|v| v.parse::<u64>().ok())
+        .sum();
+    // USER_HZ is 100 on Linux.
+    ticks as f64 * 10.0
 }
 
 /// Each column's median over rounds.
@@ -29,11 +50,13 @@ fn median_run(runs: &[Run]) -> Run {
         p50: med(|r| r.p50),
         p99: med(|r| r.p99),
         per_sec: med(|r| r.per_sec),
+        cpu_ms: med(|r| r.cpu_ms),
     }
 }
 
 /// Runs `n` calls of `f` on `conc` threads; latencies in ms.
 fn measure(n: usize, conc: usize, f: Arc<dyn Fn() -> Result<()> + Send + Sync>) -> Result<Run> {
+    let cpu0 = machine_cpu_ms();
     let started = Instant::now();
     let per = n.div_ceil(conc);
     let handles: Vec<_> = (0..conc)
@@ -60,6 +83,7 @@ fn measure(n: usize, conc: usize, f: Arc<dyn Fn() -> Result<()> + Send + Sync>) 
         p50: percentile(&all, 0.5),
         p99: percentile(&all, 0.99),
         per_sec: all.len() as f64 / secs,
+        cpu_ms: (machine_cpu_ms() - cpu0) / all.len() as f64,
     })
 }
 
@@ -77,8 +101,17 @@ pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String, 
         "streamrl bench sandbox: `{python} -c \"print(1)\"`, {n} execs per round, median of {rounds} alternating rounds, pool of {pool_size}"
     );
     println!(
-        "{:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10}",
-        "concurrency", "sbx p50 ms", "bare p50", "sbx p99 ms", "bare p99", "sbx exec/s", "bare ex/s", "p50 +ms"
+        "{:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10} {:>11} {:>9}",
+        "concurrency",
+        "sbx p50 ms",
+        "bare p50",
+        "sbx p99 ms",
+        "bare p99",
+        "sbx exec/s",
+        "bare ex/s",
+        "p50 +ms",
+        "sbx cpu ms",
+        "bare cpu"
     );
     for conc in concurrency {
         // Alternating rounds, the median of each column: at high concurrency one round's
@@ -116,7 +149,7 @@ pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String, 
         }
         let (bare, sbx) = (median_run(&bare_runs), median_run(&sbx_runs));
         println!(
-            "{:<12} {:>11.2} {:>11.2} {:>11.2} {:>11.2} {:>11.1} {:>11.1} {:>+10.2}",
+            "{:<12} {:>11.2} {:>11.2} {:>11.2} {:>11.2} {:>11.1} {:>11.1} {:>+10.2} {:>11.2} {:>9.2}",
             conc,
             sbx.p50,
             bare.p50,
@@ -124,7 +157,9 @@ pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String, 
             bare.p99,
             sbx.per_sec,
             bare.per_sec,
-            sbx.p50 - bare.p50
+            sbx.p50 - bare.p50,
+            sbx.cpu_ms,
+            bare.cpu_ms
         );
     }
     let s = pool.stats();
@@ -132,5 +167,6 @@ pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String, 
         "pool: {} warm starts, {} cold starts (no sandbox was ready), {} start errors; goal: sandbox p50 ≤ bare p50 + 15 ms",
         s.warm_starts, s.cold_starts, s.start_errors
     );
+    println!("cpu ms: CPU time of the whole machine per exec (from /proc/stat), bench threads included.");
     Ok(())
 }

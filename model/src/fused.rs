@@ -1,6 +1,6 @@
-//! Fused, differentiable CPU ops for the training forward: linear layers, RMSNorm, SiLU·up,
-//! rotary embedding, packed-sequence attention and the log-softmax gather of per-token
-//! logprobs.
+//! Fused, differentiable CPU ops for the training forward: linear layers (also onto the
+//! residual stream), SwiGLU, RMSNorm, SiLU·up, packed-sequence attention with the rotary
+//! embedding inside, and the log-softmax gather of per-token logprobs.
 //! Each is one candle custom op with its own backward (`streamrl_kernels::train`), where the
 //! op-by-op versions in `model.rs` run a chain of small element-wise ops, each allocating
 //! and, in backward, each saving its inputs. They compute the same functions; the model
@@ -368,7 +368,7 @@ impl CustomOp2 for SiluMulOp {
 }
 
 /// Host copies of the rotary tables and a batch's positions, shared by every layer's
-/// [`rope`] call of one forward.
+/// [`attention`] call of one forward.
 #[derive(Debug, Clone)]
 pub struct RopeTables {
     /// `cos` of every position's angles, `(max_positions, head_dim / 2)`.
@@ -381,15 +381,11 @@ pub struct RopeTables {
     pub positions: Arc<Vec<u32>>,
 }
 
-/// Rotary embedding of `x` `(batch, seq, heads · head_dim)` (or with the heads split out) at
-/// `tables.positions`.
-pub fn rope(x: &Tensor, tables: &RopeTables, heads: usize) -> CResult<Tensor> {
-    x.contiguous()?.apply_op1(RopeOp(tables.clone(), heads))
-}
+/// The rotary embedding of `x` `(…, heads · head_dim)` at the tables' positions (one
+/// head count per op; inside [`attention`]).
+struct Rotary(RopeTables, usize);
 
-struct RopeOp(RopeTables, usize);
-
-impl RopeOp {
+impl Rotary {
     fn run(&self, x: &[f32], dims: &[usize], inverse: bool) -> CResult<Vec<f32>> {
         let (tokens, heads) = (self.0.positions.len(), self.1);
         let hd = x.len() / (tokens * heads).max(1);
@@ -416,42 +412,12 @@ impl RopeOp {
     }
 }
 
-impl CustomOp1 for RopeOp {
-    fn name(&self) -> &'static str {
-        "fused-rope"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let out = self.run(slice(s, l, "rope x")?, l.dims(), false)?;
-        Ok((CpuStorage::F32(out), l.shape().clone()))
-    }
-
-    fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
-        let g = g.contiguous()?;
-        let dx = with(&g, "rope grad", |gs| self.run(gs, x.dims(), true))?;
-        Ok(Some(tensor(dx, x.shape())?))
-    }
-}
-
 /// Attention of packed rows: `q` `(batch, seq, heads · hd)`, `k` and `v`
 /// `(batch, seq, kv_heads · hd)`, `mask` additive `(batch or 1, seq, seq)` (host copy, shared
-/// by every layer). Returns `(batch, seq, heads · hd)`.
-pub fn attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Arc<Vec<f32>>,
-    heads: usize,
-    kv: usize,
-    scale: f64,
-) -> CResult<Tensor> {
-    attention_roped(q, k, v, mask, heads, kv, scale, None)
-}
-
-/// [`attention`] with the rotary embedding of `q` and `k` applied inside the op (and its
-/// inverse in the backward): two graph nodes and two copies fewer than [`rope`] first.
+/// by every layer). With `rope`, the rotary embedding of `q` and `k` is applied inside the
+/// op (and undone on their gradients in the backward). Returns `(batch, seq, heads · hd)`.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_roped(
+pub fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -473,7 +439,7 @@ pub fn attention_roped(
             scale: scale as f32,
         },
         mask,
-        rope: rope.map(|r| (RopeOp(r.clone(), heads), RopeOp(r.clone(), kv))),
+        rope: rope.map(|r| (Rotary(r.clone(), heads), Rotary(r.clone(), kv))),
     };
     op.check(q.dims(), k.dims(), v.dims())?;
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
@@ -483,7 +449,7 @@ struct AttentionOp {
     shape: train::AttnShape,
     mask: Arc<Vec<f32>>,
     /// Rotary embedding of q and of k, when applied inside.
-    rope: Option<(RopeOp, RopeOp)>,
+    rope: Option<(Rotary, Rotary)>,
 }
 
 impl AttentionOp {

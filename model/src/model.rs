@@ -221,7 +221,7 @@ impl Attention {
             _ => (q, k),
         };
         let scale = 1.0 / (self.hd as f64).sqrt();
-        let y = crate::fused::attention_roped(
+        let y = crate::fused::attention(
             &q,
             &k,
             &v,

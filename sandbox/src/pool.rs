@@ -208,26 +208,28 @@ fn refill_loop(inner: &Inner) {
                 drop(retire);
                 return;
             }
+            // One used sandbox at a time: the others stay in `recycle`, where a caller
+            // that finds none ready resets one itself instead of starting a new one.
             (
                 st.ready.len() + st.lent < inner.cfg.pool_size,
                 std::mem::take(&mut st.retire),
-                std::mem::take(&mut st.recycle),
+                st.recycle.pop(),
             )
         };
         drop(retire);
-        let mut reset_ok = 0;
-        for mut s in recycle {
-            if s.reset().is_ok() {
-                let mut st = inner.state.lock().expect("pool lock");
-                if st.ready.len() < inner.cfg.pool_size {
-                    reset_ok += 1;
-                    st.stats.reused += 1;
-                    st.ready.push_back(s);
-                }
-                // else: the pool is full; `s` is destroyed as it goes out of scope.
+        let mut reset_ok = false;
+        if let Some(mut s) = recycle
+            && s.reset().is_ok()
+        {
+            let mut st = inner.state.lock().expect("pool lock");
+            if st.ready.len() < inner.cfg.pool_size {
+                reset_ok = true;
+                st.stats.reused += 1;
+                st.ready.push_back(s);
             }
+            // else: the pool is full; `s` is destroyed as it goes out of scope.
         }
-        if need && reset_ok == 0 {
+        if need && !reset_ok {
             match Sandbox::start(&inner.cfg) {
                 Ok(s) => {
                     let mut st = inner.state.lock().expect("pool lock");
