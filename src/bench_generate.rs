@@ -321,30 +321,41 @@ fn hf_comparison(tokens: usize) -> Result<()> {
 }
 
 fn run_hf(ckpt: &Path, pythonpath: Option<&Path>, tokens: usize, batches: &[usize]) -> Result<Vec<f64>> {
+    let mut args = vec![
+        ckpt.display().to_string(),
+        tokens.to_string(),
+        VOCAB.to_string(),
+        PROMPT.to_string(),
+    ];
+    args.extend(batches.iter().map(usize::to_string));
+    run_python_script("the HF generate script", HF_SCRIPT, &args, pythonpath, "tok_per_s")
+}
+
+/// Runs `script` in python3 with one thread (`PYTHONPATH` = `pythonpath` when given) and
+/// returns `field` of every JSON line it prints.
+pub(crate) fn run_python_script(
+    what: &str,
+    script: &str,
+    args: &[String],
+    pythonpath: Option<&Path>,
+    field: &str,
+) -> Result<Vec<f64>> {
     let mut c = Command::new("python3");
-    c.arg("-c")
-        .arg(HF_SCRIPT)
-        .arg(ckpt)
-        .arg(tokens.to_string())
-        .arg(VOCAB.to_string())
-        .arg(PROMPT.to_string())
-        .args(batches.iter().map(usize::to_string))
-        .env("OMP_NUM_THREADS", "1");
+    c.arg("-c").arg(script).args(args).env("OMP_NUM_THREADS", "1");
     if let Some(p) = pythonpath {
         c.env("PYTHONPATH", p);
     }
-    let out = c.output().context("run python3 for the HF comparison")?;
+    let out = c.output().with_context(|| format!("run python3 for {what}"))?;
     if !out.status.success() {
-        bail!(
-            "the HF generate script failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
+        bail!("{what} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
     }
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).with_context(|| format!("HF script printed {l:?}"))?;
-            v["tok_per_s"].as_f64().context("tok_per_s missing")
+            let v: serde_json::Value = serde_json::from_str(l).with_context(|| format!("{what} printed {l:?}"))?;
+            v[field]
+                .as_f64()
+                .with_context(|| format!("{what}: {field} missing in {l:?}"))
         })
         .collect()
 }

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use candle_core::Device;
 use candle_nn::Optimizer as _;
 use streamrl_model::config::HfConfig;
@@ -231,30 +231,15 @@ fn torch_step_ms(shapes: &[Shape], steps: usize) -> Result<Option<Vec<f64>>> {
             .to_string()
         })
         .collect();
-    let mut c = std::process::Command::new("python3");
-    c.arg("-c")
-        .arg(TORCH_SCRIPT)
-        .arg(steps.max(1).to_string())
-        .args(&specs)
-        .env("OMP_NUM_THREADS", "1");
-    if let Some(p) = pythonpath {
-        c.env("PYTHONPATH", p);
-    }
-    let out = c.output().context("run python3 for the torch comparison")?;
-    if !out.status.success() {
-        bail!(
-            "the torch training script failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    let ms = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value =
-                serde_json::from_str(l).with_context(|| format!("torch script printed {l:?}"))?;
-            v["ms"].as_f64().context("ms missing")
-        })
-        .collect::<Result<Vec<f64>>>()?;
+    let mut args = vec![steps.max(1).to_string()];
+    args.extend(specs);
+    let ms = crate::bench_generate::run_python_script(
+        "the torch training script",
+        TORCH_SCRIPT,
+        &args,
+        pythonpath.as_deref(),
+        "ms",
+    )?;
     if ms.len() != shapes.len() {
         bail!("the torch script timed {} shapes of {}", ms.len(), shapes.len());
     }

@@ -131,34 +131,44 @@ impl AttnShape {
         );
     }
 
-    /// Views of head `h` of batch row `r`: (q, k, v) as `(seq, hd)` strided matrices.
-    fn head<'a>(&self, q: &'a [f32], k: &'a [f32], v: &'a [f32], r: usize, h: usize) -> [View<'a>; 3] {
+    /// Where head `h` of batch row `r` starts in a query-shaped `(batch, seq, heads, hd)`
+    /// buffer, and where its kv head starts in a `(batch, seq, kv_heads, hd)` one.
+    fn offsets(&self, r: usize, h: usize) -> (usize, usize) {
         let (t, hd) = (self.seq, self.hd);
         let g = h / (self.heads / self.kv_heads);
-        let qo = r * t * self.heads * hd + h * hd;
-        let ko = r * t * self.kv_heads * hd + g * hd;
+        (r * t * self.heads * hd + h * hd, r * t * self.kv_heads * hd + g * hd)
+    }
+
+    /// One head of a buffer from `at` as a `(seq, hd)` matrix whose rows are `heads` heads
+    /// apart.
+    fn view<'a>(&self, data: &'a [f32], at: usize, heads: usize) -> View<'a> {
+        View {
+            data: &data[at..],
+            rows: self.seq,
+            cols: self.hd,
+            rs: heads * self.hd,
+            cs: 1,
+        }
+    }
+
+    /// The mutable counterpart of [`AttnShape::view`].
+    fn view_mut<'a>(&self, data: &'a mut [f32], at: usize, heads: usize) -> ViewMut<'a> {
+        ViewMut {
+            data: &mut data[at..],
+            rows: self.seq,
+            cols: self.hd,
+            rs: heads * self.hd,
+            cs: 1,
+        }
+    }
+
+    /// Views of head `h` of batch row `r`: (q, k, v) as `(seq, hd)` strided matrices.
+    fn head<'a>(&self, q: &'a [f32], k: &'a [f32], v: &'a [f32], r: usize, h: usize) -> [View<'a>; 3] {
+        let (qo, ko) = self.offsets(r, h);
         [
-            View {
-                data: &q[qo..],
-                rows: t,
-                cols: hd,
-                rs: self.heads * hd,
-                cs: 1,
-            },
-            View {
-                data: &k[ko..],
-                rows: t,
-                cols: hd,
-                rs: self.kv_heads * hd,
-                cs: 1,
-            },
-            View {
-                data: &v[ko..],
-                rows: t,
-                cols: hd,
-                rs: self.kv_heads * hd,
-                cs: 1,
-            },
+            self.view(q, qo, self.heads),
+            self.view(k, ko, self.kv_heads),
+            self.view(v, ko, self.kv_heads),
         ]
     }
 
@@ -185,20 +195,13 @@ impl AttnShape {
 /// Attention forward: `out (batch, seq, heads, hd) = softmax(scale · q kᵀ + mask) v` per head.
 pub fn attention_forward(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], mask: &[f32], out: &mut [f32]) {
     s.check(q, k, v, mask);
-    let (t, hd) = (s.seq, s.hd);
+    let t = s.seq;
     let mut p = vec![0f32; t * t];
     for r in 0..s.batch {
         for h in 0..s.heads {
             s.probs(q, k, v, mask, r, h, &mut p);
             let [_, _, vh] = s.head(q, k, v, r, h);
-            let o = r * t * s.heads * hd + h * hd;
-            let dst = ViewMut {
-                data: &mut out[o..],
-                rows: t,
-                cols: hd,
-                rs: s.heads * hd,
-                cs: 1,
-            };
+            let dst = s.view_mut(out, s.offsets(r, h).0, s.heads);
             cpu::gemm(dst, View::rows(&p, t, t), vh, false, 1.0);
         }
     }
@@ -219,33 +222,19 @@ pub fn attention_backward(
     dv: &mut [f32],
 ) {
     s.check(q, k, v, mask);
-    let (t, hd) = (s.seq, s.hd);
+    let t = s.seq;
     dk.fill(0.0);
     dv.fill(0.0);
     let mut p = vec![0f32; t * t];
     let mut dp = vec![0f32; t * t];
-    let rep = s.heads / s.kv_heads;
     for r in 0..s.batch {
         for h in 0..s.heads {
             s.probs(q, k, v, mask, r, h, &mut p);
             let [qh, kh, vh] = s.head(q, k, v, r, h);
-            let qo = r * t * s.heads * hd + h * hd;
-            let ko = r * t * s.kv_heads * hd + (h / rep) * hd;
-            let doh = View {
-                data: &dout[qo..],
-                rows: t,
-                cols: hd,
-                rs: s.heads * hd,
-                cs: 1,
-            };
+            let (qo, ko) = s.offsets(r, h);
+            let doh = s.view(dout, qo, s.heads);
             // dv += pᵀ dout
-            let dst = ViewMut {
-                data: &mut dv[ko..],
-                rows: t,
-                cols: hd,
-                rs: s.kv_heads * hd,
-                cs: 1,
-            };
+            let dst = s.view_mut(dv, ko, s.kv_heads);
             cpu::gemm(dst, View::rows(&p, t, t).t(), doh, true, 1.0);
             // dp = dout vᵀ; ds = p ∘ (dp − rowsum(p ∘ dp))
             cpu::gemm(ViewMut::rows(&mut dp, t, t), doh, vh.t(), false, 1.0);
@@ -256,21 +245,9 @@ pub fn attention_backward(
                 }
             }
             // dq = scale · ds k; dk += scale · dsᵀ q
-            let dst = ViewMut {
-                data: &mut dq[qo..],
-                rows: t,
-                cols: hd,
-                rs: s.heads * hd,
-                cs: 1,
-            };
+            let dst = s.view_mut(dq, qo, s.heads);
             cpu::gemm(dst, View::rows(&dp, t, t), kh, false, s.scale);
-            let dst = ViewMut {
-                data: &mut dk[ko..],
-                rows: t,
-                cols: hd,
-                rs: s.kv_heads * hd,
-                cs: 1,
-            };
+            let dst = s.view_mut(dk, ko, s.kv_heads);
             cpu::gemm(dst, View::rows(&dp, t, t).t(), qh, true, s.scale);
         }
     }

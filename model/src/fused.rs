@@ -108,6 +108,34 @@ pub fn linear(x: &Tensor, w: &Tensor) -> CResult<Tensor> {
     x.contiguous()?.apply_op2(&w.contiguous()?, LinearOp)
 }
 
+/// The shape of `x @ wᵀ` for `x` `(…, inp)` and a weight `(out, inp)`.
+struct Product {
+    rows: usize,
+    out: usize,
+    inp: usize,
+    /// `x`'s shape with its last dimension replaced by `out`.
+    shape: Shape,
+}
+
+impl Product {
+    fn of(op: &str, x: &Layout, w: &Layout) -> CResult<Product> {
+        let (dims, &[out, inp]) = (x.dims(), w.dims()) else {
+            candle_core::bail!("{op}: the weight {:?} must be a matrix", w.dims())
+        };
+        if dims.last() != Some(&inp) {
+            candle_core::bail!("{op}: input {dims:?} against a weight ({out}, {inp})")
+        }
+        let mut shape = dims.to_vec();
+        *shape.last_mut().expect("checked non-empty") = out;
+        Ok(Product {
+            rows: x.shape().elem_count() / inp.max(1),
+            out,
+            inp,
+            shape: Shape::from(shape),
+        })
+    }
+}
+
 struct LinearOp;
 
 impl CustomOp2 for LinearOp {
@@ -117,17 +145,13 @@ impl CustomOp2 for LinearOp {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<(CpuStorage, Shape)> {
         let (x, w) = (slice(s1, l1, "linear x")?, slice(s2, l2, "linear weight")?);
-        let (dims, &[out, inp]) = (l1.dims(), l2.dims()) else {
-            candle_core::bail!("linear: the weight {:?} must be a matrix", l2.dims())
-        };
-        if dims.is_empty() || dims[dims.len() - 1] != inp {
-            candle_core::bail!("linear: input {dims:?} against a weight ({out}, {inp})")
-        }
-        let rows = x.len() / inp.max(1);
-        let y = cpu::gemm_new(cpu::View::rows(x, rows, inp), cpu::View::rows(w, out, inp).t(), 1.0);
-        let mut shape = dims.to_vec();
-        *shape.last_mut().expect("checked non-empty") = out;
-        Ok((CpuStorage::F32(y), Shape::from(shape)))
+        let p = Product::of("linear", l1, l2)?;
+        let y = cpu::gemm_new(
+            cpu::View::rows(x, p.rows, p.inp),
+            cpu::View::rows(w, p.out, p.inp).t(),
+            1.0,
+        );
+        Ok((CpuStorage::F32(y), p.shape))
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<(Option<Tensor>, Option<Tensor>)> {
@@ -177,13 +201,11 @@ impl CustomOp3 for LinearResidualOp {
             slice(s2, l2, "linear weight")?,
             slice(s3, l3, "residual")?,
         );
-        let (dims, &[out, inp]) = (l1.dims(), l2.dims()) else {
-            candle_core::bail!("linear: the weight {:?} must be a matrix", l2.dims())
-        };
-        let rows = x.len() / inp.max(1);
-        if dims.last() != Some(&inp) || r.len() != rows * out || l3.dims().last() != Some(&out) {
+        let Product { rows, out, inp, shape } = Product::of("linear + residual", l1, l2)?;
+        if l3.dims() != shape.dims() {
             candle_core::bail!(
-                "linear + residual: input {dims:?}, weight ({out}, {inp}), residual {:?}",
+                "linear + residual: the product {:?} against a residual {:?}",
+                shape.dims(),
                 l3.dims()
             )
         }
@@ -257,13 +279,15 @@ impl CustomOp3 for SwigluOp {
             slice(s2, l2, "gate weight")?,
             slice(s3, l3, "up weight")?,
         );
-        let (dims, &[ff, inp]) = (l1.dims(), l2.dims()) else {
-            candle_core::bail!("swiglu: the gate weight {:?} must be a matrix", l2.dims())
-        };
-        if dims.last() != Some(&inp) || l3.dims() != l2.dims() {
-            candle_core::bail!("swiglu: input {dims:?}, gate {:?}, up {:?}", l2.dims(), l3.dims())
+        let Product {
+            rows,
+            out: ff,
+            inp,
+            shape,
+        } = Product::of("swiglu", l1, l2)?;
+        if l3.dims() != l2.dims() {
+            candle_core::bail!("swiglu: gate {:?} and up {:?} differ", l2.dims(), l3.dims())
         }
-        let rows = x.len() / inp.max(1);
         let (g, u) = Self::pre(x, gw, uw, rows, inp, ff);
         let mut h = vec![0f32; g.len()];
         cpu::silu_mul(&g, &u, &mut h);
@@ -271,9 +295,7 @@ impl CustomOp3 for SwigluOp {
             .saved
             .lock()
             .map_err(|_| candle_core::Error::Msg("swiglu: poisoned".into()))? = Some((g, u));
-        let mut shape = dims.to_vec();
-        *shape.last_mut().expect("checked") = ff;
-        Ok((CpuStorage::F32(h), Shape::from(shape)))
+        Ok((CpuStorage::F32(h), shape))
     }
 
     fn bwd(

@@ -645,6 +645,16 @@ impl Transformer {
         self.fused = on && self.device.is_cpu() && self.embed.dtype() == DType::F32;
     }
 
+    /// The head over the final normalised hidden states: the LM head, or the tied
+    /// embedding; fused when `fused`.
+    fn logits(&self, h: &Tensor, fused: bool) -> Result<Tensor> {
+        Ok(match (&self.head, fused) {
+            (Some(head), on) => head.apply(h, on)?,
+            (None, true) => crate::fused::linear(h, &self.embed)?,
+            (None, false) => matmul_t(h, &self.embed)?,
+        })
+    }
+
     /// The fused ops' shared state for a forward over `positions` with `mask` and no cache.
     fn fused_ctx(&self, positions: &Tensor, mask: &Tensor) -> Result<Option<FusedCtx>> {
         if !self.fused {
@@ -703,11 +713,7 @@ impl Transformer {
             x = blk.forward(&x, positions, mask, &self.rope, c, &mut aux, fx.as_ref())?;
         }
         let x = self.norm.apply(&x, fx.is_some())?;
-        let logits = match (&self.head, fx.is_some()) {
-            (Some(h), on) => h.apply(&x, on)?,
-            (None, true) => crate::fused::linear(&x, &self.embed)?,
-            (None, false) => matmul_t(&x, &self.embed)?,
-        };
+        let logits = self.logits(&x, fx.is_some())?;
         let balance_loss = aux
             .iter()
             .try_fold(Tensor::zeros((), DType::F32, &self.device)?, |acc, (a, _)| acc + a)?;
@@ -775,11 +781,7 @@ impl Transformer {
         // The head: final norm, logits, loss.
         let top = candle_core::Var::from_tensor(inputs.last().expect("pushed"))?;
         let h = self.norm.apply(top.as_tensor(), fx.is_some())?;
-        let logits = match (&self.head, fx.is_some()) {
-            (Some(hd), on) => hd.apply(&h, on)?,
-            (None, true) => crate::fused::linear(&h, &self.embed)?,
-            (None, false) => matmul_t(&h, &self.embed)?,
-        };
+        let logits = self.logits(&h, fx.is_some())?;
         // Only the weights' gradients are kept across the passes (a backward also leaves
         // gradients for constants such as masks and rotary tables).
         let mut grads = {

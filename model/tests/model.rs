@@ -129,16 +129,7 @@ fn activation_checkpointing_gives_the_same_gradients() {
             .backward_checkpointed(&batch, 1.0, |lg| Ok(rl_loss_of(lg, &batch, None)))
             .unwrap();
         let (plain_logits, plain_aux) = loaded.model.forward(&batch).unwrap();
-        let diff = |a: &Tensor, b: &Tensor| {
-            (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        };
+        let diff = max_abs_diff;
         assert!(diff(&logits, &plain_logits) < 1e-6, "{name}: logits differ");
         assert_eq!(aux.moe.len(), plain_aux.moe.len());
         let data = loaded.vars.data().lock().unwrap();

@@ -110,8 +110,9 @@ pub struct SandboxConfig {
     /// First host uid of the range sandboxes map their users to (two per sandbox).
     pub uid_base: u32,
     /// One-shot commands a sandbox serves before it is replaced. Between two commands it
-    /// is reset: every process killed, fresh empty `/work` and `/tmp`, System V IPC
-    /// objects removed. 1: a new sandbox for every command.
+    /// is reset: every process killed, `/work` and `/tmp` empty as mounted (remounted when
+    /// the command changed them), System V IPC objects removed. 1: a new sandbox for every
+    /// command.
     pub reuse: u32,
 }
 

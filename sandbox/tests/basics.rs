@@ -3,9 +3,15 @@
 use streamrl_sandbox::{ExecRequest, ExecStatus, Limits, Pool, SandboxConfig};
 
 fn pool() -> Pool {
+    pool_of(2, SandboxConfig::default().reuse)
+}
+
+/// `size` warm sandboxes, each reused for up to `reuse` commands.
+fn pool_of(size: usize, reuse: u32) -> Pool {
     let cfg = SandboxConfig {
         init: Some(env!("CARGO_BIN_EXE_streamrl-sandbox-init").into()),
-        pool_size: 2,
+        pool_size: size,
+        reuse,
         ..SandboxConfig::default()
     };
     Pool::new(cfg).expect("sandboxes run on this host")
@@ -73,13 +79,7 @@ fn a_session_keeps_files_between_commands_and_confines_file_paths() {
 
 #[test]
 fn a_reused_sandbox_keeps_nothing_of_the_previous_command() {
-    let cfg = SandboxConfig {
-        init: Some(env!("CARGO_BIN_EXE_streamrl-sandbox-init").into()),
-        pool_size: 1,
-        reuse: 100,
-        ..SandboxConfig::default()
-    };
-    let pool = Pool::new(cfg).unwrap();
+    let pool = pool_of(1, 100);
     let leave = r#"
 import ctypes, os, subprocess
 libc = ctypes.CDLL(None, use_errno=True)
@@ -117,13 +117,7 @@ print(libc.shmget(4242, 0, 0), os.path.exists("/work/left.txt"), os.path.exists(
 /// through the modification time a command set on /work (which the check ignores).
 #[test]
 fn a_reset_replaces_only_scratch_mounts_that_were_changed() {
-    let cfg = SandboxConfig {
-        init: Some(env!("CARGO_BIN_EXE_streamrl-sandbox-init").into()),
-        pool_size: 1,
-        reuse: 100,
-        ..SandboxConfig::default()
-    };
-    let pool = Pool::new(cfg).unwrap();
+    let pool = pool_of(1, 100);
     let mut used = 0;
     // Prints /work's mtime and mode, /tmp's mode, and what both hold; then runs `then`.
     let mut probe = |then: &str| -> String {
