@@ -113,6 +113,7 @@ pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String, 
         "sbx cpu ms",
         "bare cpu"
     );
+    let mut per_round = vec![];
     for conc in concurrency {
         // Alternating rounds, the median of each column: at high concurrency one round's
         // p50 is mostly the scheduler's mood on a small machine.
@@ -148,24 +149,29 @@ pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String, 
             )?);
         }
         let (bare, sbx) = (median_run(&bare_runs), median_run(&sbx_runs));
+        // Each round's gap against the bare round run just before it, then the median:
+        // the VM's speed drifts over a run, and a pair seconds apart shares most of it.
+        let gaps: Vec<f64> = sbx_runs.iter().zip(&bare_runs).map(|(s, b)| s.p50 - b.p50).collect();
+        let mut sorted = gaps.clone();
+        sorted.sort_by(f64::total_cmp);
+        let paired_gap = sorted[sorted.len() / 2];
+        per_round.push(format!(
+            "{conc}: {}",
+            gaps.iter().map(|g| format!("{g:+.1}")).collect::<Vec<_>>().join(" ")
+        ));
         println!(
             "{:<12} {:>11.2} {:>11.2} {:>11.2} {:>11.2} {:>11.1} {:>11.1} {:>+10.2} {:>11.2} {:>9.2}",
-            conc,
-            sbx.p50,
-            bare.p50,
-            sbx.p99,
-            bare.p99,
-            sbx.per_sec,
-            bare.per_sec,
-            sbx.p50 - bare.p50,
-            sbx.cpu_ms,
-            bare.cpu_ms
+            conc, sbx.p50, bare.p50, sbx.p99, bare.p99, sbx.per_sec, bare.per_sec, paired_gap, sbx.cpu_ms, bare.cpu_ms
         );
     }
     let s = pool.stats();
     println!(
         "pool: {} warm starts, {} cold starts (no sandbox was ready), {} start errors; goal: sandbox p50 ≤ bare p50 + 15 ms",
         s.warm_starts, s.cold_starts, s.start_errors
+    );
+    println!(
+        "p50 +ms: the median over rounds of each sandbox round's p50 minus that of the bare round just before it (per round, by concurrency: {})",
+        per_round.join("; ")
     );
     println!("cpu ms: CPU time of the whole machine per exec (from /proc/stat), bench threads included.");
     Ok(())

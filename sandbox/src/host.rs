@@ -24,6 +24,19 @@ pub(crate) struct Cgroups {
     applied: Option<(u64, u64)>,
     /// OOM kills counted after the last command.
     ooms: u64,
+    /// The peak-memory file (v1 `memory.max_usage_in_bytes`, also reset through it; v2
+    /// `memory.peak`) and the OOM-kill count (v1 `memory.oom_control`, v2
+    /// `memory.events`), opened once: they are read after every command.
+    peak_file: Option<std::fs::File>,
+    events_file: Option<std::fs::File>,
+}
+
+/// The whole of a small cgroup file, read from its start.
+fn read_from_start(f: &std::fs::File) -> Option<String> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = [0u8; 4096];
+    let n = f.read_at(&mut buf, 0).ok()?;
+    String::from_utf8(buf[..n].to_vec()).ok()
 }
 
 impl Cgroups {
@@ -51,6 +64,11 @@ impl Cgroups {
         }
         cg.set_limits(limits)?;
         cg.applied = Some((limits.memory_bytes, limits.processes));
+        let open = |p: Option<PathBuf>, write: bool| {
+            p.and_then(|p| std::fs::OpenOptions::new().read(true).write(write).open(p).ok())
+        };
+        cg.peak_file = open(cg.file(0, "memory.max_usage_in_bytes", "memory.peak"), !cg.v2);
+        cg.events_file = open(cg.file(0, "memory.oom_control", "memory.events"), false);
         Ok(cg)
     }
 
@@ -68,8 +86,11 @@ impl Cgroups {
         if self.applied != Some((l.memory_bytes, l.processes)) {
             self.set_limits(l)?;
             self.applied = Some((l.memory_bytes, l.processes));
-        } else if !self.v2 {
-            let _ = std::fs::write(self.dirs[0].join("memory.max_usage_in_bytes"), "0");
+        } else if !self.v2
+            && let Some(f) = &self.peak_file
+        {
+            use std::os::unix::fs::FileExt;
+            let _ = f.write_at(b"0", 0);
         }
         Ok(())
     }
@@ -104,25 +125,21 @@ impl Cgroups {
 
     /// OOM kills so far.
     fn oom_kills(&self) -> u64 {
-        let (file, key) = if self.v2 {
-            ("memory.events", "oom_kill")
-        } else {
-            ("memory.oom_control", "oom_kill")
-        };
-        self.dirs
-            .first()
-            .and_then(|d| std::fs::read_to_string(d.join(file)).ok())
+        self.events_file
+            .as_ref()
+            .and_then(read_from_start)
             .and_then(|s| {
                 s.lines()
-                    .find_map(|l| l.strip_prefix(key).and_then(|v| v.trim().parse().ok()))
+                    .find_map(|l| l.strip_prefix("oom_kill ").and_then(|v| v.trim().parse().ok()))
             })
             .unwrap_or(0)
     }
 
     /// Peak memory since the last reset.
     fn peak(&self) -> u64 {
-        self.file(0, "memory.max_usage_in_bytes", "memory.peak")
-            .and_then(|p| std::fs::read_to_string(p).ok())
+        self.peak_file
+            .as_ref()
+            .and_then(read_from_start)
             .and_then(|s| s.trim().parse().ok())
             .unwrap_or(0)
     }
@@ -137,6 +154,7 @@ impl Cgroups {
 
     /// Kills what is left and removes the directories (retrying while tasks exit).
     fn destroy(&mut self) {
+        (self.peak_file, self.events_file) = (None, None);
         for _ in 0..200 {
             for pid in self.pids() {
                 let _ = sys::kill(pid, libc::SIGKILL);
@@ -301,6 +319,18 @@ impl Sandbox {
     /// Runs a command. A failure of the sandbox itself is returned as an
     /// `internal_error` result (the sandbox is then unusable), never as a panic.
     pub fn exec(&mut self, req: &ExecRequest) -> ExecResult {
+        self.run(req, false)
+    }
+
+    /// Runs a command, then resets the sandbox as [`Sandbox::reset`] does, in one round
+    /// trip: the way a pool hands a one-shot sandbox back ready for the next user. A
+    /// failed reset leaves the command's result as it was and the sandbox unusable
+    /// ([`Sandbox::is_usable`]).
+    pub fn exec_then_reset(&mut self, req: &ExecRequest) -> ExecResult {
+        self.run(req, true)
+    }
+
+    fn run(&mut self, req: &ExecRequest, then_reset: bool) -> ExecResult {
         let errs = req.limits.exceeding(&self.max);
         if !errs.is_empty() {
             return ExecResult::internal_error(errs.join("; "));
@@ -312,8 +342,16 @@ impl Sandbox {
         }
         let deadline = Duration::from_millis(req.limits.wall_ms) + Duration::from_secs(5);
         self.uses += 1;
-        match self.call(&Request::Exec(req.clone()), &req.stdin, deadline) {
-            Ok((Response::Exec(raw), _)) => {
+        let request = if then_reset {
+            Request::ExecThenReset(req.clone())
+        } else {
+            Request::Exec(req.clone())
+        };
+        match self.call(&request, &req.stdin, deadline) {
+            Ok((Response::Exec(mut raw), _)) => {
+                if raw.reset_error.take().is_some() {
+                    self.broken = true;
+                }
                 let (oom, peak) = match &mut self.cgroups {
                     Some(cg) => {
                         let now = cg.oom_kills();

@@ -1,6 +1,8 @@
 //! A warm pool: sandboxes are started ahead of time by a background thread, so an exec
-//! pays only for its command. Each one-shot exec gets a fresh sandbox, which is thrown
-//! away afterwards (nothing carries over between executions); sessions keep theirs.
+//! pays only for its command. Each one-shot exec gets a fresh or freshly reset sandbox
+//! (nothing carries over between executions): the init resets it right after the
+//! command, in the same round trip, and it is reused up to `reuse` times, then destroyed
+//! off the caller's path. Sessions keep theirs.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
@@ -133,13 +135,21 @@ impl Pool {
         self.inner.cv.notify_all();
     }
 
-    /// Hands a sandbox that ran one-shot commands back: reset and reused while it has
-    /// uses left (`reuse`), else destroyed. Both happen on the background thread.
-    fn done_with(&self, s: Sandbox, healthy: bool) {
+    /// Hands a sandbox that ran one-shot commands back: reused while it has uses left
+    /// (`reuse`), else destroyed on the background thread. One that was `reset` with its
+    /// command is ready at once; another waits for the background thread's reset.
+    fn done_with(&self, s: Sandbox, healthy: bool, reset: bool) {
         let mut st = self.inner.state.lock().expect("pool lock");
         st.lent -= 1;
         if healthy && s.is_usable() && s.uses() < self.inner.cfg.reuse {
-            st.recycle.push(s);
+            if !reset {
+                st.recycle.push(s);
+            } else if st.ready.len() < self.inner.cfg.pool_size {
+                st.stats.reused += 1;
+                st.ready.push_back(s);
+            } else {
+                st.retire.push(s);
+            }
         } else {
             st.retire.push(s);
         }
@@ -170,8 +180,11 @@ impl Pool {
                 break;
             }
         }
-        let r = r.unwrap_or_else(|| s.exec(req));
-        self.done_with(s, r.status != crate::ExecStatus::InternalError);
+        // Reset with the command when the sandbox will serve another: one round trip, and
+        // it is ready again as soon as the answer is in.
+        let reset = s.uses() + 1 < self.inner.cfg.reuse;
+        let r = r.unwrap_or_else(|| if reset { s.exec_then_reset(req) } else { s.exec(req) });
+        self.done_with(s, r.status != crate::ExecStatus::InternalError, reset);
         r
     }
 }

@@ -225,6 +225,10 @@ pub struct InitConfig {
 pub enum Request {
     /// Run a command (stdin is the first blob).
     Exec(ExecRequest),
+    /// Run a command, then reset as [`Request::Reset`] before answering: a one-shot exec
+    /// whose sandbox is reused costs one round trip, and the sandbox is ready again when
+    /// the answer arrives.
+    ExecThenReset(ExecRequest),
     /// Write a file under `/work` (its contents are the first blob).
     WriteFile {
         /// Path relative to `/work`, or absolute under it.
@@ -286,6 +290,10 @@ pub struct RawExec {
     pub cpu_ms: u64,
     /// Peak RSS of the command in bytes.
     pub max_rss_bytes: u64,
+    /// [`Request::ExecThenReset`]: why the reset after the command failed (the command's
+    /// outcome stands; the sandbox is unusable).
+    #[serde(default)]
+    pub reset_error: Option<String>,
 }
 
 const MAX_FRAME: u32 = 512 << 20;

@@ -307,9 +307,38 @@ pub fn pidfd_open(pid: libc::pid_t) -> io::Result<std::os::fd::OwnedFd> {
     }
 }
 
+/// Whether the calling process's IPC namespace holds any System V shared-memory segment,
+/// semaphore set or message queue (three `*_INFO` calls, no file reads).
+fn ipc_in_use() -> bool {
+    // SAFETY: each call writes at most the struct it is given (SHM_INFO writes a
+    // `struct shm_info`, which is smaller than the `shmid_ds` buffer passed).
+    unsafe {
+        let mut shm: libc::shmid_ds = std::mem::zeroed();
+        let shm_used = libc::shmctl(0, SHM_INFO, &mut shm) != -1 && {
+            // struct shm_info starts with `int used_ids`.
+            let used_ids = *(&shm as *const libc::shmid_ds).cast::<libc::c_int>();
+            used_ids > 0
+        };
+        let mut sem: libc::seminfo = std::mem::zeroed();
+        let sem_used = libc::semctl(0, 0, libc::SEM_INFO, &mut sem as *mut libc::seminfo) != -1 && sem.semusz > 0;
+        let mut msg: libc::msginfo = std::mem::zeroed();
+        let msg_used =
+            libc::msgctl(0, libc::MSG_INFO, (&mut msg as *mut libc::msginfo).cast()) != -1 && msg.msgpool > 0;
+        // A failed query counts as in use: the listing below then decides.
+        shm_used || sem_used || msg_used
+    }
+}
+
+/// `SHM_INFO` (linux/shm.h; not exported by the libc crate).
+const SHM_INFO: libc::c_int = 14;
+
 /// Removes every System V shared-memory segment, semaphore set and message queue of the
-/// calling process's IPC namespace (as listed in `/proc/sysvipc`).
+/// calling process's IPC namespace (as listed in `/proc/sysvipc`, read only when the
+/// namespace holds any).
 pub fn ipc_remove_all() {
+    if !ipc_in_use() {
+        return;
+    }
     for (file, kind) in [("shm", 0), ("sem", 1), ("msg", 2)] {
         let Ok(text) = std::fs::read_to_string(format!("/proc/sysvipc/{file}")) else {
             continue;
@@ -335,27 +364,43 @@ pub fn ipc_remove_all() {
     }
 }
 
-/// Kills every other process of the pid namespace (the caller is its pid 1) and reaps
-/// them all, waiting up to `limit` for the last to die. False if some survived.
-pub fn kill_and_reap_all(limit: std::time::Duration) -> bool {
-    let end = std::time::Instant::now() + limit;
-    // SAFETY: kill and waitpid with integer arguments and a live out-pointer.
-    unsafe { libc::kill(-1, libc::SIGKILL) };
+/// Reaps every child that has ended; true when none is left at all. For the pid 1 of a
+/// pid namespace that means the namespace holds no other process: every process in it
+/// descends from pid 1, and orphans are handed to it.
+pub fn reap_ended() -> bool {
     loop {
         let mut status = 0;
+        // SAFETY: waitpid with an out-pointer to a live local.
         let r = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
         if r > 0 {
             continue;
         }
-        if r == -1 {
-            return true; // ECHILD: nothing left
+        if r == -1 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+            continue;
         }
-        if std::time::Instant::now() >= end {
-            return false;
-        }
-        unsafe { libc::kill(-1, libc::SIGKILL) };
-        std::thread::sleep(std::time::Duration::from_millis(1));
+        return r == -1; // ECHILD: nothing left; 0: some still run
     }
+}
+
+/// Kills every other process of the pid namespace (the caller is its pid 1) and reaps
+/// them all, waiting up to `limit` for the last to die. False if some survived. Sends
+/// nothing when every process has already ended (`kill(-1)` walks the host's whole
+/// process list).
+pub fn kill_and_reap_all(limit: std::time::Duration) -> bool {
+    let end = std::time::Instant::now() + limit;
+    let mut killed = false;
+    while !reap_ended() {
+        if killed {
+            if std::time::Instant::now() >= end {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        // SAFETY: kill with integer arguments.
+        unsafe { libc::kill(-1, libc::SIGKILL) };
+        killed = true;
+    }
+    true
 }
 
 /// What the child does between `clone` and `execve` (see [`spawn`]).
@@ -372,8 +417,6 @@ pub struct SpawnSpec {
     pub rlimits: Vec<(libc::__rlimit_resource_t, u64, u64)>,
     /// Drop to this uid/gid; `None`: stay uid 0 and drop every capability.
     pub run_as: Option<libc::uid_t>,
-    /// The seccomp filter installed last.
-    pub filter: Vec<libc::sock_filter>,
 }
 
 /// A spawned child and the host ends of its standard streams.
@@ -389,14 +432,13 @@ pub struct Spawned {
 }
 
 /// The steps of the child, in order; a failing step is reported by its index.
-const SPAWN_STEPS: [&str; 8] = [
+const SPAWN_STEPS: [&str; 7] = [
     "set up stdio",
     "chdir",
-    "setsid",
+    "setpgid",
     "setrlimit",
     "drop privileges",
     "no_new_privs",
-    "install the seccomp filter",
     "exec",
 ];
 
@@ -404,8 +446,11 @@ struct ChildArgs<'a> {
     spec: &'a SpawnSpec,
     argv: Vec<*const libc::c_char>,
     envp: Vec<*const libc::c_char>,
-    /// Child ends: stdin read, stdout write, stderr write, error-report write.
-    fds: [RawFd; 4],
+    /// Child ends: stdin read, stdout write, stderr write.
+    fds: [RawFd; 3],
+    /// Set by a child whose step failed: `(step + 1) << 32 | errno`. The parent reads it
+    /// once the child has exec'd or exited (it is suspended until then).
+    report: std::sync::atomic::AtomicU64,
 }
 
 fn pipe() -> io::Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)> {
@@ -422,18 +467,44 @@ fn pipe() -> io::Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)> {
     })
 }
 
+/// Installs a seccomp filter on the calling thread only (no `TSYNC`): what that thread
+/// clones from now on inherits it, the process's other threads stay unfiltered. Also sets
+/// `no_new_privs` on the thread (inherited likewise). The kernel compiles the program
+/// and runs it once per system call number here (its action cache), ~0.1 ms, which is
+/// why a filter is installed once and inherited rather than installed per command.
+pub fn install_thread_seccomp(filter: &[libc::sock_filter]) -> io::Result<()> {
+    let prog = libc::sock_fprog {
+        len: u16::try_from(filter.len())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "seccomp program too long"))?,
+        filter: filter.as_ptr().cast_mut(),
+    };
+    // SAFETY: prctl with integer arguments and a pointer to a live program.
+    check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })?;
+    check(unsafe {
+        libc::prctl(
+            libc::PR_SET_SECCOMP,
+            libc::SECCOMP_MODE_FILTER as libc::c_ulong,
+            &prog as *const libc::sock_fprog as libc::c_ulong,
+            0,
+            0,
+        )
+    })
+    .map(|_| ())
+}
+
 /// Starts `spec` the way `posix_spawn` does: `clone(CLONE_VM | CLONE_VFORK)`, so the
 /// child borrows this process's memory until it execs instead of copying its page tables
 /// (a `fork` of the init costs about as much as the rest of an exec). The child runs only
-/// raw system calls: stdio onto pipes, chdir, a new session, rlimits, the unprivileged
-/// ids (or no capabilities), `no_new_privs`, the seccomp filter, `execve`. A step that
-/// fails is reported through a close-on-exec pipe and the child exits with 127.
+/// raw system calls: stdio onto pipes, chdir, a process group of its own, rlimits, the
+/// unprivileged ids (or no capabilities), `no_new_privs`, `execve`. The child inherits
+/// the calling thread's seccomp filter (see [`install_thread_seccomp`]).
+/// A step that fails is written to memory the parent reads when it resumes (as glibc's
+/// `posix_spawn` does) and the child exits with 127.
 pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
     use std::os::fd::AsRawFd;
     let (in_r, in_w) = pipe()?;
     let (out_r, out_w) = pipe()?;
     let (err_r, err_w) = pipe()?;
-    let (rep_r, rep_w) = pipe()?;
     let nul_terminated = |v: &[CString]| -> Vec<*const libc::c_char> {
         v.iter()
             .map(|s| s.as_ptr())
@@ -444,16 +515,14 @@ pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
         spec,
         argv: nul_terminated(&spec.argv),
         envp: nul_terminated(&spec.envp),
-        fds: [
-            in_r.as_raw_fd(),
-            out_w.as_raw_fd(),
-            err_w.as_raw_fd(),
-            rep_w.as_raw_fd(),
-        ],
+        fds: [in_r.as_raw_fd(), out_w.as_raw_fd(), err_w.as_raw_fd()],
+        report: std::sync::atomic::AtomicU64::new(0),
     };
-    let mut stack = vec![0u8; 256 << 10];
+    // Uninitialised: the child only pushes onto it (no zero fill of 256 KiB per command).
+    let mut stack: Vec<std::mem::MaybeUninit<u8>> = Vec::with_capacity(256 << 10);
+    let stack_len = stack.capacity();
     // The stack grows down from its 16-byte-aligned end.
-    let top = (stack.as_mut_ptr() as usize + stack.len()) & !15;
+    let top = (stack.as_mut_ptr() as usize + stack_len) & !15;
     // Signals stay blocked across the clone so that no handler of ours runs on the
     // borrowed memory; the child unblocks them just before it execs.
     // SAFETY: sigset out-pointers to live locals.
@@ -481,26 +550,12 @@ pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
     if pid == -1 {
         return Err(clone_err);
     }
-    drop((in_r, out_w, err_w, rep_w));
-    // The report pipe is empty (closed by the exec) on success.
-    let mut report = [0u8; 5];
-    let mut got = 0;
-    while got < report.len() {
-        // SAFETY: reading into the unfilled tail of a live buffer.
-        let n = unsafe { libc::read(rep_r.as_raw_fd(), report[got..].as_mut_ptr().cast(), report.len() - got) };
-        if n == -1 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-            continue;
-        }
-        if n <= 0 {
-            break;
-        }
-        got += n as usize;
-    }
-    if got == report.len() {
+    drop((in_r, out_w, err_w));
+    let report = args.report.load(std::sync::atomic::Ordering::Acquire);
+    if report != 0 {
         let _ = wait_blocking(pid);
-        let step = SPAWN_STEPS.get(report[0] as usize).copied().unwrap_or("spawn");
-        let errno = i32::from_ne_bytes([report[1], report[2], report[3], report[4]]);
-        let e = io::Error::from_raw_os_error(errno);
+        let step = SPAWN_STEPS.get((report >> 32) as usize - 1).copied().unwrap_or("spawn");
+        let e = io::Error::from_raw_os_error(report as u32 as i32);
         return Err(if step == "exec" {
             e
         } else {
@@ -520,14 +575,13 @@ extern "C" fn child(arg: *mut libc::c_void) -> libc::c_int {
     // SAFETY: `arg` is the `ChildArgs` the parent keeps alive while this runs.
     let a = unsafe { &*(arg as *const ChildArgs) };
     let s = a.spec;
-    let [stdin, stdout, stderr, report] = a.fds;
-    let fail = |step: u8| -> libc::c_int {
-        // SAFETY: errno location of this thread; write of a live local buffer; _exit.
+    let [stdin, stdout, stderr] = a.fds;
+    let fail = |step: u64| -> libc::c_int {
+        // SAFETY: errno location of this thread; _exit.
         unsafe {
-            let errno = *libc::__errno_location();
-            let mut msg = [step, 0, 0, 0, 0];
-            msg[1..].copy_from_slice(&errno.to_ne_bytes());
-            libc::write(report, msg.as_ptr().cast(), msg.len());
+            let errno = *libc::__errno_location() as u32 as u64;
+            a.report
+                .store((step + 1) << 32 | errno, std::sync::atomic::Ordering::Release);
             libc::_exit(127)
         }
     };
@@ -542,7 +596,13 @@ extern "C" fn child(arg: *mut libc::c_void) -> libc::c_int {
         if libc::chdir(s.cwd.as_ptr()) == -1 {
             return fail(1);
         }
-        if libc::setsid() == -1 {
+        // A process group of its own, in the session of the process that started the
+        // sandbox, as a bare fork+exec would be. A session per command (or per sandbox)
+        // would put each in a scheduler autogroup of its own, and under load the host's
+        // threads that serve them, all in one group, would get one group's share. No
+        // terminal is reachable from inside: the only descriptors are pipes and `/dev`
+        // holds null, zero, random and urandom.
+        if libc::setpgid(0, 0) == -1 {
             return fail(2);
         }
         for &(res, soft, hard) in &s.rlimits {
@@ -574,20 +634,6 @@ extern "C" fn child(arg: *mut libc::c_void) -> libc::c_int {
         if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == -1 {
             return fail(5);
         }
-        let prog = libc::sock_fprog {
-            len: s.filter.len() as u16,
-            filter: s.filter.as_ptr().cast_mut(),
-        };
-        if libc::prctl(
-            libc::PR_SET_SECCOMP,
-            libc::SECCOMP_MODE_FILTER as libc::c_ulong,
-            &prog as *const _ as libc::c_ulong,
-            0,
-            0,
-        ) == -1
-        {
-            return fail(6);
-        }
         // Default handling of every signal for the command: ignored dispositions would
         // survive the exec (the init ignores SIGPIPE, as Rust programs do, and may have
         // inherited more), and nothing blocked. Raw rt_sigaction: glibc's wrapper refuses
@@ -603,5 +649,5 @@ extern "C" fn child(arg: *mut libc::c_void) -> libc::c_int {
         libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
         libc::execve(s.path.as_ptr(), a.argv.as_ptr(), a.envp.as_ptr());
     }
-    fail(7)
+    fail(6)
 }

@@ -112,6 +112,35 @@ print(libc.shmget(4242, 0, 0), os.path.exists("/work/left.txt"), os.path.exists(
     assert_eq!(pool.stats().cold_starts, 0, "{:?}", pool.stats());
 }
 
+/// Each kind of System V IPC object, left alone by a command, is gone for the next one
+/// after a reset, standalone or in the command's round trip (the reset looks up each
+/// kind's count before it lists and removes them).
+#[test]
+fn every_kind_of_system_v_ipc_object_is_removed_by_a_reset() {
+    let pool = pool_of(1, 100);
+    let mut sandbox = pool.take().expect("a sandbox");
+    for (kind, make, find) in [
+        ("shm", "libc.shmget(4242, 4096, 0o1666)", "libc.shmget(4242, 0, 0)"),
+        ("sem", "libc.semget(4243, 1, 0o1666)", "libc.semget(4243, 0, 0)"),
+        ("msg", "libc.msgget(4244, 0o1666)", "libc.msgget(4244, 0)"),
+    ] {
+        let src = |call: &str| format!("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint({call} >= 0)\n");
+        let made = sandbox.exec(&ExecRequest::python(&src(make)));
+        assert_eq!(made.stdout, "True\n", "{kind}: {made:?}");
+        let kept = sandbox.exec(&ExecRequest::python(&src(find)));
+        assert_eq!(kept.stdout, "True\n", "{kind} is kept without a reset: {kept:?}");
+        sandbox.reset().expect("reset");
+        let found = sandbox.exec(&ExecRequest::python(&src(find)));
+        assert_eq!(found.stdout, "False\n", "{kind} outlived the reset: {found:?}");
+        // The same through the reset that follows a command in its round trip.
+        let made = sandbox.exec_then_reset(&ExecRequest::python(&src(make)));
+        assert_eq!(made.stdout, "True\n", "{kind}: {made:?}");
+        assert!(sandbox.is_usable());
+        let found = sandbox.exec(&ExecRequest::python(&src(find)));
+        assert_eq!(found.stdout, "False\n", "{kind} outlived exec_then_reset: {found:?}");
+    }
+}
+
 /// A reset keeps scratch mounts the last command left untouched (the same mount, no
 /// remount) and replaces the ones it changed, contents or root alike. A kept mount shows
 /// through the modification time a command set on /work (which the check ignores).
