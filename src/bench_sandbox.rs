@@ -15,6 +15,9 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 struct Run {
     p50: f64,
     p99: f64,
+    /// Mean latency. In a closed loop at saturation it is concurrency ÷ throughput; the
+    /// p50 also depends on how evenly the scheduler shares the CPUs between commands.
+    mean: f64,
     per_sec: f64,
     /// CPU time the whole machine spent per exec (user + nice + system, from /proc/stat):
     /// the cost of a command independent of how the scheduler orders 64 of them.
@@ -48,28 +51,43 @@ fn median_run(runs: &[Run]) -> Run {
     };
     Run {
         p50: med(|r| r.p50),
+        mean: med(|r| r.mean),
         p99: med(|r| r.p99),
         per_sec: med(|r| r.per_sec),
         cpu_ms: med(|r| r.cpu_ms),
     }
 }
 
-/// Runs `n` calls of `f` on `conc` threads; latencies in ms.
+/// Latencies (ms) of `n` calls of `f` at a steady concurrency of `conc`.
+///
+/// `conc` threads claim calls from one counter until `conc + n + conc` have been made, and
+/// only the middle `n` are recorded: the first `conc` fill the machine, the last `conc`
+/// keep it full while the recorded ones finish. Without them the final calls run as the
+/// others drain, at falling concurrency, and a fixed count per thread rewards a scheduler
+/// that shares the CPUs unevenly (threads that finish early leave the stragglers the
+/// whole machine).
 fn measure(n: usize, conc: usize, f: Arc<dyn Fn() -> Result<()> + Send + Sync>) -> Result<Run> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let total = conc + n + conc;
+    let next = Arc::new(AtomicUsize::new(0));
     let cpu0 = machine_cpu_ms();
     let started = Instant::now();
-    let per = n.div_ceil(conc);
     let handles: Vec<_> = (0..conc)
         .map(|_| {
-            let f = f.clone();
+            let (f, next) = (f.clone(), next.clone());
             std::thread::spawn(move || -> Result<Vec<f64>> {
-                let mut lat = Vec::with_capacity(per);
-                for _ in 0..per {
+                let mut lat = vec![];
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= total {
+                        return Ok(lat);
+                    }
                     let t = Instant::now();
                     f()?;
-                    lat.push(t.elapsed().as_secs_f64() * 1e3);
+                    if (conc..conc + n).contains(&i) {
+                        lat.push(t.elapsed().as_secs_f64() * 1e3);
+                    }
                 }
-                Ok(lat)
             })
         })
         .collect();
@@ -81,9 +99,10 @@ fn measure(n: usize, conc: usize, f: Arc<dyn Fn() -> Result<()> + Send + Sync>) 
     all.sort_by(f64::total_cmp);
     Ok(Run {
         p50: percentile(&all, 0.5),
+        mean: all.iter().sum::<f64>() / all.len() as f64,
         p99: percentile(&all, 0.99),
-        per_sec: all.len() as f64 / secs,
-        cpu_ms: (machine_cpu_ms() - cpu0) / all.len() as f64,
+        per_sec: total as f64 / secs,
+        cpu_ms: (machine_cpu_ms() - cpu0) / total as f64,
     })
 }
 
@@ -98,15 +117,17 @@ pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String, 
         bail!("the sandboxed command does not work: {check:?}");
     }
     println!(
-        "streamrl bench sandbox: `{python} -c \"print(1)\"`, {n} execs per round, median of {rounds} alternating rounds, pool of {pool_size}"
+        "streamrl bench sandbox: `{python} -c \"print(1)\"`, {n} execs recorded per round (at a steady concurrency), median of {rounds} alternating rounds, pool of {pool_size}"
     );
     println!(
-        "{:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10} {:>11} {:>9}",
+        "{:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10} {:>11} {:>9}",
         "concurrency",
         "sbx p50 ms",
         "bare p50",
         "sbx p99 ms",
         "bare p99",
+        "sbx mean",
+        "bare mean",
         "sbx exec/s",
         "bare ex/s",
         "p50 +ms",
@@ -160,8 +181,19 @@ pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String, 
             gaps.iter().map(|g| format!("{g:+.1}")).collect::<Vec<_>>().join(" ")
         ));
         println!(
-            "{:<12} {:>11.2} {:>11.2} {:>11.2} {:>11.2} {:>11.1} {:>11.1} {:>+10.2} {:>11.2} {:>9.2}",
-            conc, sbx.p50, bare.p50, sbx.p99, bare.p99, sbx.per_sec, bare.per_sec, paired_gap, sbx.cpu_ms, bare.cpu_ms
+            "{:<12} {:>11.2} {:>11.2} {:>11.2} {:>11.2} {:>11.2} {:>11.2} {:>11.1} {:>11.1} {:>+10.2} {:>11.2} {:>9.2}",
+            conc,
+            sbx.p50,
+            bare.p50,
+            sbx.p99,
+            bare.p99,
+            sbx.mean,
+            bare.mean,
+            sbx.per_sec,
+            bare.per_sec,
+            paired_gap,
+            sbx.cpu_ms,
+            bare.cpu_ms
         );
     }
     let s = pool.stats();

@@ -11,8 +11,8 @@
 //!    down. It then answers `Ready`.
 //! 3. Each `Exec` forks a command that gets a process group of its own and the rlimits,
 //!    drops to the unprivileged uid (or every capability), sets `no_new_privs` and
-//!    execs. It is started from the init's spawner thread, which installed the seccomp
-//!    filter on itself once, so the command inherits the filter. Init feeds stdin,
+//!    execs. It inherits the seccomp filter the init's main thread installed on itself
+//!    once set-up was done (a thread of the init without it replaces scratch mounts). Init feeds stdin,
 //!    captures stdout/stderr up to their caps and enforces the wall clock. When the command ends, or on a timeout or output cap,
 //!    `kill(-1, SIGKILL)` removes every process left in the namespace, so nothing a
 //!    command starts outlives it.
@@ -75,7 +75,13 @@ pub fn main() -> ! {
         }
         Ok(sys::Fork::Child) => {
             let _ = sys::set_parent_death_signal(libc::SIGKILL);
-            let spawner = match build_root(&cfg).and_then(|_| Spawner::start()) {
+            // The mounter thread first: it must not inherit the main thread's filter.
+            let mounter = match build_root(&cfg).and_then(|()| Mounter::start(&cfg)).and_then(|m| {
+                ctx(sys::install_thread_seccomp(&seccomp::filter()), || {
+                    "install the seccomp filter".into()
+                })
+                .map(|()| m)
+            }) {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = write_frame(
@@ -89,7 +95,7 @@ pub fn main() -> ! {
                 }
             };
             let _ = write_frame(&mut stdout, &Response::Ready, &[]);
-            serve(&cfg, &spawner, &mut stdin, &mut stdout)
+            serve(&cfg, &mounter, &mut stdin, &mut stdout)
         }
     }
 }
@@ -239,7 +245,7 @@ fn mount_scratch(cfg: &InitConfig, work: &Path, tmp: &Path) -> io::Result<()> {
 /// owner unchanged, no extended attributes) are kept: replacing them costs two unmounts
 /// and two mounts under the mount namespace's locks, most of a reset, and most commands
 /// (a test run, a tool call that prints) write nothing there.
-fn reset(cfg: &InitConfig) -> io::Result<()> {
+fn reset(cfg: &InitConfig, mounter: &Mounter) -> io::Result<()> {
     if !sys::kill_and_reap_all(std::time::Duration::from_secs(5)) {
         return Err(io::Error::other("processes survived SIGKILL for 5 s"));
     }
@@ -248,10 +254,7 @@ fn reset(cfg: &InitConfig) -> io::Result<()> {
     if pristine(Path::new("/work"), 0o755, owner) && pristine(Path::new("/tmp"), 0o1777, 0) {
         return Ok(());
     }
-    for d in ["/work", "/tmp"] {
-        ctx(sys::umount2(Path::new(d), libc::MNT_DETACH), || format!("unmount {d}"))?;
-    }
-    mount_scratch(cfg, Path::new("/work"), Path::new("/tmp"))
+    mounter.replace_scratch()
 }
 
 /// Whether the scratch mount at `dir` is as [`mount_scratch`] left it: no entries, its
@@ -293,51 +296,47 @@ fn bind_ro(src: &Path, target: &Path) -> io::Result<()> {
     )
 }
 
-/// Starts commands from a thread of its own that carries the seccomp filter. A filter
-/// belongs to the thread that installs it and is inherited by what that thread clones, so
-/// every command gets it without the kernel compiling it again (~0.1 ms per command),
-/// while the main thread stays unfiltered for the mounts of a reset.
-struct Spawner {
-    to: mpsc::Sender<sys::SpawnSpec>,
-    from: mpsc::Receiver<io::Result<sys::Spawned>>,
+/// Replaces the scratch mounts for the main thread, which carries the seccomp filter
+/// (`mount` and `umount2` are among what it refuses). A filter belongs to the thread that
+/// installs it and is inherited by what that thread clones: with it on the main thread,
+/// every command inherits it without the kernel compiling it again (~0.1 ms per
+/// command), and only a reset that finds a scratch mount changed asks this unfiltered
+/// thread.
+struct Mounter {
+    to: mpsc::Sender<()>,
+    from: mpsc::Receiver<io::Result<()>>,
 }
 
-impl Spawner {
-    fn start() -> io::Result<Spawner> {
-        let (to, specs) = mpsc::channel::<sys::SpawnSpec>();
+impl Mounter {
+    fn start(cfg: &InitConfig) -> io::Result<Mounter> {
+        let (to, asks) = mpsc::channel::<()>();
         let (done, from) = mpsc::channel();
-        let (ready, installed) = mpsc::channel();
-        std::thread::Builder::new().name("spawner".into()).spawn(move || {
-            let filtered = sys::install_thread_seccomp(&seccomp::filter());
-            let ok = filtered.is_ok();
-            let _ = ready.send(filtered);
-            if ok {
-                for spec in specs {
-                    if done.send(sys::spawn(&spec)).is_err() {
-                        return;
-                    }
+        let cfg = cfg.clone();
+        std::thread::Builder::new().name("mounter".into()).spawn(move || {
+            for () in asks {
+                let replaced = ["/work", "/tmp"]
+                    .into_iter()
+                    .try_for_each(|d| ctx(sys::umount2(Path::new(d), libc::MNT_DETACH), || format!("unmount {d}")))
+                    .and_then(|()| mount_scratch(&cfg, Path::new("/work"), Path::new("/tmp")));
+                if done.send(replaced).is_err() {
+                    return;
                 }
             }
         })?;
-        let gone = || io::Error::other("the spawner thread exited");
-        ctx(installed.recv().map_err(|_| gone())?, || {
-            "install the seccomp filter".into()
-        })?;
-        Ok(Spawner { to, from })
+        Ok(Mounter { to, from })
     }
 
-    /// Starts one command. Without its spawner thread the sandbox cannot run anything:
-    /// the init then exits, so the host sees a broken sandbox (`internal_error`) rather
-    /// than a command that failed.
-    fn spawn(&self, spec: sys::SpawnSpec) -> io::Result<sys::Spawned> {
-        match self.to.send(spec).ok().and_then(|_| self.from.recv().ok()) {
-            Some(spawned) => spawned,
-            None => fail("the spawner thread exited"),
-        }
+    /// Fresh `/work` and `/tmp` mounts in place of the ones there.
+    fn replace_scratch(&self) -> io::Result<()> {
+        self.to
+            .send(())
+            .ok()
+            .and_then(|()| self.from.recv().ok())
+            .unwrap_or_else(|| Err(io::Error::other("the mounter thread exited")))
     }
 }
 
-fn serve(cfg: &InitConfig, spawner: &Spawner, stdin: &mut impl Read, stdout: &mut impl Write) -> ! {
+fn serve(cfg: &InitConfig, mounter: &Mounter, stdin: &mut impl Read, stdout: &mut impl Write) -> ! {
     loop {
         let (req, blobs): (Request, Vec<Vec<u8>>) = match read_frame(stdin) {
             Ok(r) => r,
@@ -347,12 +346,12 @@ fn serve(cfg: &InitConfig, spawner: &Spawner, stdin: &mut impl Read, stdout: &mu
         let (resp, out): (Response, Vec<u8>) = match req {
             Request::Exec(mut e) => {
                 e.stdin = blob;
-                (Response::Exec(exec(cfg, spawner, &e)), vec![])
+                (Response::Exec(exec(cfg, &e)), vec![])
             }
             Request::ExecThenReset(mut e) => {
                 e.stdin = blob;
-                let mut raw = exec(cfg, spawner, &e);
-                raw.reset_error = reset(cfg).err().map(|e| format!("reset: {e}"));
+                let mut raw = exec(cfg, &e);
+                raw.reset_error = reset(cfg, mounter).err().map(|e| format!("reset: {e}"));
                 (Response::Exec(raw), vec![])
             }
             Request::WriteFile { path, mode } => match work_path(&path).and_then(|p| write_file(&p, mode, &blob)) {
@@ -364,7 +363,7 @@ fn serve(cfg: &InitConfig, spawner: &Spawner, stdin: &mut impl Read, stdout: &mu
                     vec![],
                 ),
             },
-            Request::Reset => match reset(cfg) {
+            Request::Reset => match reset(cfg, mounter) {
                 Ok(()) => (Response::Ready, vec![]),
                 Err(e) => (
                     Response::Error {
@@ -491,7 +490,7 @@ fn spawn_spec(cfg: &InitConfig, req: &ExecRequest) -> io::Result<sys::SpawnSpec>
     })
 }
 
-fn exec(cfg: &InitConfig, spawner: &Spawner, req: &ExecRequest) -> RawExec {
+fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
     let started = Instant::now();
     let cpu_before = sys::children_cpu_ms();
     let mut raw = RawExec {
@@ -512,7 +511,7 @@ fn exec(cfg: &InitConfig, spawner: &Spawner, req: &ExecRequest) -> RawExec {
         return raw;
     }
     let l = req.limits;
-    let child = match spawn_spec(cfg, req).and_then(|spec| spawner.spawn(spec)) {
+    let child = match spawn_spec(cfg, req).and_then(|spec| sys::spawn(&spec)) {
         Ok(c) => c,
         Err(e) => {
             raw.exit_code = Some(127);
