@@ -11,11 +11,12 @@
 //!    down. It then answers `Ready`.
 //! 3. Each `Exec` forks a command that gets a process group of its own and the rlimits,
 //!    drops to the unprivileged uid (or every capability), sets `no_new_privs` and
-//!    execs. It inherits the seccomp filter the init's main thread installed on itself
-//!    once set-up was done (a thread of the init without it replaces scratch mounts). Init feeds stdin,
-//!    captures stdout/stderr up to their caps and enforces the wall clock. When the command ends, or on a timeout or output cap,
-//!    `kill(-1, SIGKILL)` removes every process left in the namespace, so nothing a
-//!    command starts outlives it.
+//!    execs. It inherits the seccomp filter that the init's main thread installed on
+//!    itself once set-up was done (a thread of the init without it replaces scratch
+//!    mounts). Init feeds stdin, captures stdout/stderr up to their caps and enforces the
+//!    wall clock. When the command ends, or on a timeout or output cap, `kill(-1,
+//!    SIGKILL)` removes every process left in the namespace, so nothing a command starts
+//!    outlives it.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -82,7 +83,7 @@ pub fn main() -> ! {
                 })
                 .map(|()| m)
             }) {
-                Ok(s) => s,
+                Ok(m) => m,
                 Err(e) => {
                     let _ = write_frame(
                         &mut stdout,
@@ -186,18 +187,8 @@ fn build_root(cfg: &InitConfig) -> io::Result<()> {
     ] {
         std::os::unix::fs::symlink(target, at("dev").join(name))?;
     }
+    mount_scratch(cfg, &at("work"), &at("tmp"))?;
     let owner = cfg.run_as.unwrap_or(0);
-    let flags = libc::MS_NOSUID | libc::MS_NODEV;
-    let work = format!("size={},mode=0755,uid={owner},gid={owner}", cfg.work_bytes);
-    ctx(
-        sys::mount(Some("tmpfs"), &at("work"), Some("tmpfs"), flags, Some(&work)),
-        || "mount /work".into(),
-    )?;
-    let tmp = format!("size={},mode=1777", cfg.tmp_bytes);
-    ctx(
-        sys::mount(Some("tmpfs"), &at("tmp"), Some("tmpfs"), flags, Some(&tmp)),
-        || "mount /tmp".into(),
-    )?;
     std::fs::write(
         at("etc/passwd"),
         format!("root:x:0:0::/:/bin/sh\nsandbox:x:{owner}:{owner}::/work:/bin/sh\n"),

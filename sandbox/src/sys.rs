@@ -314,17 +314,17 @@ fn ipc_in_use() -> bool {
     // `struct shm_info`, which is smaller than the `shmid_ds` buffer passed).
     unsafe {
         let mut shm: libc::shmid_ds = std::mem::zeroed();
-        let shm_used = libc::shmctl(0, SHM_INFO, &mut shm) != -1 && {
+        // A failed query counts as in use: the listing then decides.
+        let shm_used = libc::shmctl(0, SHM_INFO, &mut shm) == -1 || {
             // struct shm_info starts with `int used_ids`.
             let used_ids = *(&shm as *const libc::shmid_ds).cast::<libc::c_int>();
             used_ids > 0
         };
         let mut sem: libc::seminfo = std::mem::zeroed();
-        let sem_used = libc::semctl(0, 0, libc::SEM_INFO, &mut sem as *mut libc::seminfo) != -1 && sem.semusz > 0;
+        let sem_used = libc::semctl(0, 0, libc::SEM_INFO, &mut sem as *mut libc::seminfo) == -1 || sem.semusz > 0;
         let mut msg: libc::msginfo = std::mem::zeroed();
         let msg_used =
-            libc::msgctl(0, libc::MSG_INFO, (&mut msg as *mut libc::msginfo).cast()) != -1 && msg.msgpool > 0;
-        // A failed query counts as in use: the listing below then decides.
+            libc::msgctl(0, libc::MSG_INFO, (&mut msg as *mut libc::msginfo).cast()) == -1 || msg.msgpool > 0;
         shm_used || sem_used || msg_used
     }
 }
