@@ -42,13 +42,15 @@ fn machine_cpu_ms() -> f64 {
     ticks as f64 * 10.0
 }
 
+/// The middle value (the upper one of an even count).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// Each column's median over rounds.
 fn median_run(runs: &[Run]) -> Run {
-    let med = |f: fn(&Run) -> f64| {
-        let mut v: Vec<f64> = runs.iter().map(f).collect();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
+    let med = |f: fn(&Run) -> f64| median(runs.iter().map(f).collect());
     Run {
         p50: med(|r| r.p50),
         mean: med(|r| r.mean),
@@ -173,9 +175,7 @@ pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String, 
         // Each round's gap against the bare round run just before it, then the median:
         // the VM's speed drifts over a run, and a pair seconds apart shares most of it.
         let gaps: Vec<f64> = sbx_runs.iter().zip(&bare_runs).map(|(s, b)| s.p50 - b.p50).collect();
-        let mut sorted = gaps.clone();
-        sorted.sort_by(f64::total_cmp);
-        let paired_gap = sorted[sorted.len() / 2];
+        let paired_gap = median(gaps.clone());
         per_round.push(format!(
             "{conc}: {}",
             gaps.iter().map(|g| format!("{g:+.1}")).collect::<Vec<_>>().join(" ")

@@ -16,7 +16,6 @@ use crate::{Error, SandboxConfig};
 struct State {
     ready: VecDeque<Sandbox>,
     retire: Vec<Sandbox>,
-    recycle: Vec<Sandbox>,
     /// Sandboxes out running one-shot commands; they come back to be reused.
     lent: usize,
     shutdown: bool,
@@ -106,22 +105,13 @@ impl Pool {
     }
 
     fn take_inner(&self, lend: bool) -> Result<Sandbox, Error> {
-        let (warm, used) = {
+        let warm = {
             let mut st = self.inner.state.lock().expect("pool lock");
             st.lent += lend as usize;
-            let s = st.ready.pop_front();
-            // None ready: a used one waiting for its reset is still cheaper than a start.
-            let used = if s.is_none() { st.recycle.pop() } else { None };
-            (s, used)
+            st.ready.pop_front()
         };
         self.inner.cv.notify_all();
         if let Some(s) = warm {
-            return Ok(s);
-        }
-        if let Some(mut s) = used
-            && s.reset().is_ok()
-        {
-            self.inner.state.lock().expect("pool lock").stats.reused += 1;
             return Ok(s);
         }
         self.inner.state.lock().expect("pool lock").stats.cold_starts += 1;
@@ -135,21 +125,15 @@ impl Pool {
         self.inner.cv.notify_all();
     }
 
-    /// Hands a sandbox that ran one-shot commands back: reused while it has uses left
-    /// (`reuse`), else destroyed on the background thread. One that was `reset` with its
-    /// command is ready at once; another waits for the background thread's reset.
+    /// Hands a sandbox that ran one-shot commands back: ready at once when it was reset
+    /// with its command (it has uses left, `reuse`), else destroyed on the background
+    /// thread.
     fn done_with(&self, s: Sandbox, healthy: bool, reset: bool) {
         let mut st = self.inner.state.lock().expect("pool lock");
         st.lent -= 1;
-        if healthy && s.is_usable() && s.uses() < self.inner.cfg.reuse {
-            if !reset {
-                st.recycle.push(s);
-            } else if st.ready.len() < self.inner.cfg.pool_size {
-                st.stats.reused += 1;
-                st.ready.push_back(s);
-            } else {
-                st.retire.push(s);
-            }
+        if healthy && reset && s.is_usable() && st.ready.len() < self.inner.cfg.pool_size {
+            st.stats.reused += 1;
+            st.ready.push_back(s);
         } else {
             st.retire.push(s);
         }
@@ -201,48 +185,24 @@ impl Drop for Pool {
 
 fn refill_loop(inner: &Inner) {
     loop {
-        let (need, retire, recycle) = {
+        let (need, retire) = {
             let mut st = inner.state.lock().expect("pool lock");
-            while !st.shutdown
-                && st.ready.len() + st.lent >= inner.cfg.pool_size
-                && st.retire.is_empty()
-                && st.recycle.is_empty()
-            {
+            while !st.shutdown && st.ready.len() + st.lent >= inner.cfg.pool_size && st.retire.is_empty() {
                 st = inner.cv.wait(st).expect("pool lock");
             }
             if st.shutdown {
                 let st = &mut *st;
-                let retire: Vec<Sandbox> = st
-                    .retire
-                    .drain(..)
-                    .chain(st.ready.drain(..))
-                    .chain(st.recycle.drain(..))
-                    .collect();
+                let retire: Vec<Sandbox> = st.retire.drain(..).chain(st.ready.drain(..)).collect();
                 drop(retire);
                 return;
             }
-            // One used sandbox at a time: the others stay in `recycle`, where a caller
-            // that finds none ready resets one itself instead of starting a new one.
             (
                 st.ready.len() + st.lent < inner.cfg.pool_size,
                 std::mem::take(&mut st.retire),
-                st.recycle.pop(),
             )
         };
         drop(retire);
-        let mut reset_ok = false;
-        if let Some(mut s) = recycle
-            && s.reset().is_ok()
-        {
-            let mut st = inner.state.lock().expect("pool lock");
-            if st.ready.len() < inner.cfg.pool_size {
-                reset_ok = true;
-                st.stats.reused += 1;
-                st.ready.push_back(s);
-            }
-            // else: the pool is full; `s` is destroyed as it goes out of scope.
-        }
-        if need && !reset_ok {
+        if need {
             match Sandbox::start(&inner.cfg) {
                 Ok(s) => {
                     let mut st = inner.state.lock().expect("pool lock");
