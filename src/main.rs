@@ -17,6 +17,7 @@ mod sandbox_cmd;
 mod serve;
 mod stages;
 mod train_cmd;
+mod up;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -26,6 +27,7 @@ use clap::{Parser, Subcommand};
 use streamrl_archive::{OutputFormat, Sql, format_batches};
 use streamrl_runtime::bus;
 use streamrl_runtime::runner::{Shutdown, StageMetrics, run_stage};
+use streamrl_runtime::running;
 use streamrl_runtime::topology::Topology;
 
 #[derive(Parser)]
@@ -64,6 +66,22 @@ enum Command {
         /// Override the topology's bus URL.
         #[arg(long)]
         bus: Option<String>,
+    },
+    /// Run every replica of every stage as its own `streamrl stage` process on a Kafka
+    /// bus, restarting any that dies, until the run ends.
+    Up {
+        /// Topology file.
+        #[arg(short, long, default_value = "topology.yaml")]
+        topology: PathBuf,
+        /// Bus URL (overrides the topology's; must be shared by processes: kafka://).
+        #[arg(long, env = "STREAMRL_BUS")]
+        bus: Option<String>,
+    },
+    /// Stop the `streamrl up` of a topology's run: every replica finishes, commits, exits.
+    Down {
+        /// Topology file (its run_dir locates the running `up`).
+        #[arg(short, long, default_value = "topology.yaml")]
+        topology: PathBuf,
     },
     /// Run one replica of one stage (for separate processes on a shared Kafka bus).
     Stage {
@@ -276,6 +294,17 @@ async fn dispatch(cli: Cli) -> Result<()> {
             summary.print();
             Ok(())
         }
+        Command::Up { topology, bus } => {
+            let mut t = load(&topology)?;
+            if let Some(b) = bus {
+                t.bus = b;
+            }
+            let sft = t.sft.clone();
+            tokio::task::block_in_place(|| train_cmd::sft_from_topology(&sft, &topology))?;
+            let url = t.bus.clone();
+            up::up(&t, &topology, &url).await
+        }
+        Command::Down { topology } => up::down(&load(&topology)?.run_dir).await,
         Command::Stage {
             name,
             bus,
@@ -300,7 +329,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
                 );
             }
             let bus = bus::connect(&t.bus).await?;
-            create_topics(&bus, &t).await?;
+            running::create_topics(&bus, &t).await?;
             let shutdown = Shutdown::new();
             shutdown.on_signals();
             let metrics = Arc::new(StageMetrics::default());
@@ -417,103 +446,34 @@ async fn dispatch(cli: Cli) -> Result<()> {
     }
 }
 
-async fn create_topics(bus: &Arc<dyn bus::Bus>, t: &Topology) -> Result<()> {
-    for spec in t.topic_specs() {
-        bus.create_topic(&spec)
-            .await
-            .with_context(|| format!("creating topic `{}`", spec.name))?;
-    }
-    Ok(())
-}
-
-/// Every replica of every stage, in this process; the first failure stops them all.
-/// Runs every stage of `t` in this process until the trainer's `max_steps` (or a signal);
-/// returns the per-step summary and each stage's counters.
+/// Builds every replica of every stage of `t` (loading models is the slow part), then runs
+/// them in this process (`streamrl_runtime::running`) until the run ends in-band or a
+/// signal arrives; returns the per-step summary and each replica's counters.
 async fn run_all(t: Topology, quiet: bool) -> Result<(progress::Summary, Vec<(String, Arc<StageMetrics>)>)> {
-    use streamrl_runtime::topology::StageKind;
     let missing = stages::unbuilt(&t);
     if !missing.is_empty() {
         bail!("this build lacks stage kind(s) {}", missing.join(", "));
     }
     let bus = bus::connect(&t.bus).await?;
-    create_topics(&bus, &t).await?;
-    // The pipeline stops first (at max_steps or a signal); the archive keeps consuming
-    // until it has caught up with every topic, so the Parquet files hold the whole run.
-    let pipeline = Shutdown::new();
-    pipeline.on_signals();
-    let archive = Shutdown::new();
-    let mut tasks = tokio::task::JoinSet::new();
-    let mut archives = tokio::task::JoinSet::new();
-    let mut all_metrics = Vec::new();
-    // Build every stage first (loading models is the slow part), then start them together.
-    let mut built = Vec::new();
+    running::create_topics(&bus, &t).await?;
+    let shutdown = Shutdown::new();
+    shutdown.on_signals();
+    let mut replicas = Vec::new();
     for (name, decl) in &t.stages {
         for r in 0..decl.replicas {
             let cfg = t.runner_config(name, r).expect("stage exists");
-            built.push((decl.kind, stages::build(&t, name, r)?, cfg));
+            replicas.push(running::Replica {
+                cfg,
+                stage: stages::build(&t, name, r)?,
+            });
         }
     }
-    let watcher = progress::Watcher::start(&bus, &t, pipeline.clone(), quiet).await?;
-    for (kind, stage, cfg) in built {
-        let m = Arc::new(StageMetrics::default());
-        all_metrics.push((cfg.instance(), m.clone()));
-        let is_archive = kind == StageKind::Archive;
-        let sd = if is_archive { archive.clone() } else { pipeline.clone() };
-        let bus = bus.clone();
-        let task = async move { run_stage(bus, cfg, stage, sd, m).await };
-        if is_archive {
-            archives.spawn(task);
-        } else {
-            tasks.spawn(task);
-        }
-    }
-    let mut first_err = None;
-    let join = |r: std::result::Result<streamrl_runtime::Result<()>, tokio::task::JoinError>| {
-        r.map_err(anyhow::Error::from)
-            .and_then(|r| r.map_err(anyhow::Error::from))
-    };
-    while let Some(r) = tasks.join_next().await {
-        if let Err(e) = join(r) {
-            pipeline.trigger();
-            first_err.get_or_insert(e);
-        }
-    }
-    pipeline.trigger();
-    drain_archives(&bus, &t).await;
-    archive.trigger();
-    while let Some(r) = archives.join_next().await {
-        if let Err(e) = join(r) {
-            first_err.get_or_insert(e);
-        }
-    }
+    let stop_watching = Shutdown::new();
+    let watcher = progress::Watcher::start(&bus, &t, stop_watching.clone(), quiet).await?;
+    let result = running::run_replicas(bus, replicas, shutdown).await;
+    stop_watching.trigger();
     let summary = watcher.finish().await;
-    match first_err {
-        Some(e) => Err(e),
-        None => Ok((summary, all_metrics)),
-    }
-}
-
-/// Waits (up to 60 s) until every archive stage has committed every record of its topics.
-async fn drain_archives(bus: &Arc<dyn bus::Bus>, t: &Topology) {
-    use streamrl_runtime::topology::StageKind;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    for (name, decl) in t.stages.iter().filter(|(_, d)| d.kind == StageKind::Archive) {
-        for topic in &decl.inputs {
-            loop {
-                let lag: u64 = match bus.topic_stats(topic, std::slice::from_ref(name)).await {
-                    Ok(parts) => parts.iter().map(|p| p.lag(name).unwrap_or(0)).sum(),
-                    Err(_) => 0,
-                };
-                if lag == 0 || std::time::Instant::now() > deadline {
-                    if lag > 0 {
-                        eprintln!("warning: archive `{name}` still {lag} record(s) behind on `{topic}` at shutdown");
-                    }
-                    break;
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-            }
-        }
-    }
+    Ok((summary, result?))
 }
 
 fn print_metrics(all: &[(String, Arc<StageMetrics>)]) {

@@ -1,7 +1,7 @@
 //! What `streamrl run` shows while it runs: one line per trainer step (reward, loss,
 //! masking, staleness, throughput) read from the `metrics` and `policy` topics like any
-//! other consumer, and a summary at the end. It also ends the run once the trainer has
-//! published its `max_steps`-th version.
+//! other consumer, and a summary at the end. It only watches: the run ends in-band, when
+//! the trainer signals the end of the run on `policy` after its `max_steps`-th version.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -112,8 +112,8 @@ pub struct Watcher {
 }
 
 impl Watcher {
-    /// Subscribes (broadcast) to the policy and metrics topics and starts printing.
-    pub async fn start(bus: &Arc<dyn Bus>, t: &Topology, shutdown: Shutdown, quiet: bool) -> Result<Watcher> {
+    /// Subscribes (broadcast) to the policy and metrics topics and prints until `stop`.
+    pub async fn start(bus: &Arc<dyn Bus>, t: &Topology, stop: Shutdown, quiet: bool) -> Result<Watcher> {
         let topic = |schema: SchemaId| {
             t.topics
                 .iter()
@@ -137,34 +137,18 @@ impl Watcher {
         let task = tokio::spawn(async move {
             let t0 = Instant::now();
             let mut summary = Summary::default();
-            // Once the last version is out, wait (briefly) for its metrics before stopping.
-            let mut stop_by: Option<tokio::time::Instant> = None;
-            let last_step = |s: &Summary| s.steps.keys().next_back().copied().unwrap_or(0);
             loop {
-                if let (Some(max), Some(_)) = (max_steps, stop_by)
-                    && last_step(&summary) >= max
-                {
-                    shutdown.trigger();
-                    break;
-                }
                 tokio::select! {
-                    _ = shutdown.wait() => break,
-                    _ = async { match stop_by { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => {
-                        shutdown.trigger();
-                        break;
-                    }
+                    _ = stop.wait() => break,
                     m = async { match policy.as_mut() { Some(c) => c.recv().await, None => std::future::pending().await } } => {
                         let Ok(m) = m else { break };
                         let Ok(b) = codec::decode(SchemaId::Policy, &m.headers, &m.payload) else { continue };
                         let Ok(rows) = PolicyRow::from_batch(&b) else { continue };
                         if let (Some(max), Some(v)) = (max_steps, rows.iter().map(|r| r.version as u64).max())
-                            && v >= max
-                            && stop_by.is_none()
+                            && v == max
+                            && !quiet
                         {
-                            if !quiet {
-                                eprintln!("trainer reached max_steps {max}: stopping the run");
-                            }
-                            stop_by = Some(tokio::time::Instant::now() + std::time::Duration::from_secs(2));
+                            eprintln!("trainer reached max_steps {max}: the run ends");
                         }
                     }
                     m = async { match metrics.as_mut() { Some(c) => c.recv().await, None => std::future::pending().await } } => {

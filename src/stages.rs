@@ -66,6 +66,12 @@ pub fn check_envs(t: &Topology) -> Vec<String> {
     streamrl_stages::build_envs(&t.envs).err().unwrap_or_default()
 }
 
+/// Whether the topology's bus keeps its topics across a restart of this process (every
+/// backend but the in-process `memory://`).
+fn durable_bus(t: &Topology) -> bool {
+    !t.bus.starts_with("memory://")
+}
+
 /// Builds replica `replica` of stage `name` (expensive setup happens here, once).
 pub fn build(t: &Topology, name: &str, replica: u32) -> Result<Box<dyn Stage>> {
     let decl = t.stages.get(name).ok_or_else(|| anyhow!("no stage `{name}`"))?;
@@ -89,12 +95,18 @@ pub fn build(t: &Topology, name: &str, replica: u32) -> Result<Box<dyn Stage>> {
                 .filter_map(|o| t.topics.get(o).map(|d| (o.clone(), d.schema)))
                 .collect(),
             envs: envs.map(Arc::new),
+            durable_bus: durable_bus(t),
         })
     };
     Ok(match decl.kind {
         StageKind::Archive => {
             let cfg: ArchiveConfig = parse_config(&decl.config).map_err(fail)?;
-            Box::new(ArchiveStage::build(cfg, &t.run_dir, &instance).map_err(fail)?)
+            let stage = ArchiveStage::build(cfg, &t.run_dir, &instance).map_err(fail)?;
+            if durable_bus(t) {
+                Box::new(stage.with_offsets_of(&t.bus))
+            } else {
+                Box::new(stage)
+            }
         }
         StageKind::Source => {
             Box::new(SourceStage::build(parse_config(&decl.config).map_err(fail)?, ctx()?).map_err(fail)?)

@@ -33,6 +33,7 @@ topics:
   scored:        { schema: scored,        partitions: 2, key: group_id }
   samples:       { schema: samples,       partitions: 2, key: group_id }
   policy:        { schema: policy,        partitions: 1 }
+  trained:       { schema: trained,       partitions: 1 }
   metrics:       { schema: metrics,       partitions: 1 }
   dead_letter:   { schema: dead_letter,   partitions: 1 }
 stages:
@@ -55,7 +56,7 @@ stages:
   trainer:
     kind: trainer
     inputs: [samples]
-    outputs: [policy, metrics]
+    outputs: [policy, trained, metrics]
     config: { checkpoint: run/sft, groups_per_step: 2, max_steps: 3, keep_last: 2, eval_every: 1, eval_problems: 20 }
   archive: { kind: archive, inputs: all, config: { flush_rows: 100, flush_seconds: 1 } }
 "#;
@@ -74,6 +75,7 @@ fn run_warm_starts_then_trains_through_every_stage_and_archives_the_lineage() {
     let mut kept: Vec<String> = std::fs::read_dir(&store)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
         .collect();
     kept.sort();
     assert_eq!(kept, ["step-000002", "step-000003"]);
@@ -107,6 +109,22 @@ fn run_warm_starts_then_trains_through_every_stage_and_archives_the_lineage() {
         q("SELECT step, count(DISTINCT group_id) FROM samples WHERE step < 3 GROUP BY step ORDER BY step"),
         ["0,2", "1,2", "2,2"]
     );
+    // Lineage: each version records exactly the samples it consumed (2 groups × 4),
+    // each sample once, all of them archived on `samples`.
+    assert_eq!(
+        q("SELECT version, count(*), count(DISTINCT sample_id) FROM trained GROUP BY version ORDER BY version"),
+        ["1,8,8", "2,8,8", "3,8,8"]
+    );
+    assert_eq!(
+        q("SELECT count(*) FROM trained t LEFT JOIN samples s ON s.sample_id = t.sample_id WHERE s.sample_id IS NULL"),
+        ["0"]
+    );
+    assert_eq!(
+        q("SELECT count(*) FROM trained WHERE outcome NOT IN ('trained', 'filtered', 'stale')"),
+        ["0"]
+    );
+    // The trainer recorded the version it published last; the run ended in-band.
+    assert_eq!(std::fs::read_to_string(store.join("published")).unwrap(), "3");
     // Trainer metrics for every step.
     assert_eq!(
         q("SELECT DISTINCT step FROM metrics WHERE stage = 'trainer' AND name = 'loss' ORDER BY step"),

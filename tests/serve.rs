@@ -184,6 +184,7 @@ async fn the_rollout_stage_drives_serve_as_a_remote_engine_with_weight_updates()
         inputs: vec![("prompts".into(), SchemaId::Prompts)],
         outputs: vec![("rollouts".into(), SchemaId::Rollouts)],
         envs,
+        durable_bus: false,
     };
     let local = RolloutConfig {
         checkpoint: v0.clone(),

@@ -59,7 +59,14 @@ struct Buffer {
     batches: Vec<RecordBatch>,
     rows: usize,
     since: Instant,
+    /// The highest bus offset buffered, per partition (recorded in the file's metadata).
+    offsets: BTreeMap<u32, u64>,
 }
+
+/// Parquet key-value metadata: the bus the rows came from.
+const META_BUS: &str = "streamrl.bus";
+/// Parquet key-value metadata: JSON `{partition: highest offset}` of the rows in the file.
+const META_OFFSETS: &str = "streamrl.offsets";
 
 /// Buffers batches per topic and writes them as Parquet files, atomically.
 pub struct ArchiveWriter {
@@ -70,6 +77,11 @@ pub struct ArchiveWriter {
     seq: u64,
     /// Files written so far.
     pub files_written: u64,
+    /// The durable bus whose offsets files record and redeliveries are checked against.
+    bus: Option<String>,
+    /// Per topic, the highest offset of each partition already in a file of `bus`
+    /// (loaded from the files' metadata on the topic's first record).
+    archived: BTreeMap<String, BTreeMap<u32, u64>>,
 }
 
 impl ArchiveWriter {
@@ -82,7 +94,44 @@ impl ArchiveWriter {
             buffers: BTreeMap::new(),
             seq: 0,
             files_written: 0,
+            bus: None,
+            archived: BTreeMap::new(),
         }
+    }
+
+    /// Records which offsets of `bus_url` each file holds, and from then on recognises a
+    /// record already in a file (a redelivery after a restart or a rebalance) by its
+    /// offset: effectively-once files on a durable bus. Offsets restart with an in-process
+    /// bus, so only use this for a durable one.
+    pub fn with_offsets_of(mut self, bus_url: &str) -> Self {
+        self.bus = Some(bus_url.to_string());
+        self
+    }
+
+    /// Whether the record at `partition`/`offset` of `topic` is already in a file.
+    pub fn is_archived(&mut self, topic: &str, partition: u32, offset: u64) -> bool {
+        let Some(bus) = &self.bus else { return false };
+        if !self.archived.contains_key(topic) {
+            let found = archived_offsets(&self.dir.join(topic), bus);
+            self.archived.insert(topic.to_string(), found);
+        }
+        self.archived[topic].get(&partition).is_some_and(|&max| offset <= max)
+    }
+
+    /// Like [`append`](Self::append), for a record read at `partition`/`offset`.
+    pub fn append_at(
+        &mut self,
+        topic: &str,
+        schema: SchemaId,
+        batch: RecordBatch,
+        partition: u32,
+        offset: u64,
+    ) -> bool {
+        let full = self.append(topic, schema, batch);
+        let b = self.buffers.get_mut(topic).expect("appended above");
+        let max = b.offsets.entry(partition).or_insert(offset);
+        *max = (*max).max(offset);
+        full
     }
 
     /// Buffers a batch; returns true when the topic reached `flush_rows`.
@@ -92,6 +141,7 @@ impl ArchiveWriter {
             batches: Vec::new(),
             rows: 0,
             since: Instant::now(),
+            offsets: BTreeMap::new(),
         });
         if b.batches.is_empty() {
             b.since = Instant::now();
@@ -153,10 +203,23 @@ impl ArchiveWriter {
             .set_compression(Compression::ZSTD(
                 ZstdLevel::try_new(self.cfg.zstd_level).map_err(perr)?,
             ))
-            .set_key_value_metadata(Some(vec![parquet::file::metadata::KeyValue::new(
-                "streamrl.schema".to_string(),
-                buf.schema.name().to_string(),
-            )]))
+            .set_key_value_metadata(Some({
+                let mut kv = vec![parquet::file::metadata::KeyValue::new(
+                    "streamrl.schema".to_string(),
+                    buf.schema.name().to_string(),
+                )];
+                if let Some(bus) = &self.bus {
+                    kv.push(parquet::file::metadata::KeyValue::new(
+                        META_BUS.to_string(),
+                        bus.clone(),
+                    ));
+                    kv.push(parquet::file::metadata::KeyValue::new(
+                        META_OFFSETS.to_string(),
+                        serde_json::to_string(&buf.offsets).unwrap_or_default(),
+                    ));
+                }
+                kv
+            }))
             .build();
         let file = std::fs::File::create(&tmp).map_err(|e| Error::Io {
             op: "creating",
@@ -180,15 +243,62 @@ impl ArchiveWriter {
         })?;
         buf.batches.clear();
         buf.rows = 0;
+        let written = std::mem::take(&mut buf.offsets);
+        if self.bus.is_some() {
+            let known = self.archived.entry(topic.to_string()).or_default();
+            for (p, o) in written {
+                let max = known.entry(p).or_insert(o);
+                *max = (*max).max(o);
+            }
+        }
         self.files_written += 1;
         Ok(())
     }
+}
+
+/// The highest offset per partition recorded in the metadata of the Parquet files under
+/// `dir` written from `bus` (unreadable or foreign files are ignored).
+fn archived_offsets(dir: &Path, bus: &str) -> BTreeMap<u32, u64> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let mut out: BTreeMap<u32, u64> = BTreeMap::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        if path.extension().is_none_or(|x| x != "parquet") {
+            continue;
+        }
+        let Some(reader) = std::fs::File::open(&path)
+            .ok()
+            .and_then(|f| SerializedFileReader::new(f).ok())
+        else {
+            continue;
+        };
+        let kv = reader.metadata().file_metadata().key_value_metadata();
+        let get = |k: &str| {
+            kv.and_then(|kv| kv.iter().find(|x| x.key == k))
+                .and_then(|x| x.value.clone())
+        };
+        if get(META_BUS).as_deref() != Some(bus) {
+            continue;
+        }
+        let Some(offsets) = get(META_OFFSETS).and_then(|j| serde_json::from_str::<BTreeMap<u32, u64>>(&j).ok()) else {
+            continue;
+        };
+        for (p, o) in offsets {
+            let max = out.entry(p).or_insert(o);
+            *max = (*max).max(o);
+        }
+    }
+    out
 }
 
 /// The archive stage: subscribes to topics, writes them to Parquet, acknowledges inputs
 /// only once their rows are in a renamed file.
 pub struct ArchiveStage {
     writer: ArchiveWriter,
+    skipped: u64,
 }
 
 impl ArchiveStage {
@@ -200,7 +310,21 @@ impl ArchiveStage {
         }
         Ok(ArchiveStage {
             writer: ArchiveWriter::new(run_dir, instance, cfg),
+            skipped: 0,
         })
+    }
+
+    /// Files record the offsets of `bus_url` (a durable bus), and records already in a
+    /// file are recognised and skipped when delivered again: see
+    /// [`ArchiveWriter::with_offsets_of`].
+    pub fn with_offsets_of(mut self, bus_url: &str) -> Self {
+        self.writer = self.writer.with_offsets_of(bus_url);
+        self
+    }
+
+    /// Records skipped because a file already held them.
+    pub fn skipped(&self) -> u64 {
+        self.skipped
     }
 
     fn flush(&mut self, out: &mut Emitter) -> Result<(), StageError> {
@@ -215,7 +339,15 @@ impl ArchiveStage {
 #[async_trait]
 impl Stage for ArchiveStage {
     async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
-        let full = self.writer.append(&input.topic, input.schema, input.batch);
+        if self.writer.is_archived(&input.topic, input.partition, input.offset) {
+            // Already in a file (delivered again after a restart): acknowledge, don't write.
+            self.skipped += 1;
+            tracing::debug!(topic = %input.topic, partition = input.partition, offset = input.offset, "already archived");
+            return Ok(());
+        }
+        let full = self
+            .writer
+            .append_at(&input.topic, input.schema, input.batch, input.partition, input.offset);
         out.hold();
         // A failed write is not this input's fault and must not append it twice on retry:
         // the rows stay buffered (and held) and the next tick retries the write.

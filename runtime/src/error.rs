@@ -30,7 +30,11 @@ pub enum Error {
     #[error("topic `{0}` does not exist on this bus (create it first; topology.yaml declares topics)")]
     UnknownTopic(String),
     /// A topic exists with another partition count.
-    #[error("topic `{topic}` exists with {existing} partitions but {wanted} were requested")]
+    #[error(
+        "topic `{topic}` exists with {existing} partitions but the topology declares {wanted}: \
+         delete it (e.g. `kafka-topics.sh --delete --topic {topic}`, or restart an in-memory broker) \
+         or set `partitions: {existing}` for it in topology.yaml"
+    )]
     PartitionMismatch {
         /// Topic name.
         topic: String,

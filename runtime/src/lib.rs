@@ -29,6 +29,7 @@
 pub mod bus;
 mod error;
 pub mod runner;
+pub mod running;
 mod stage;
 pub mod telemetry;
 pub mod topology;

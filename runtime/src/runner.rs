@@ -19,7 +19,7 @@ use arrow::datatypes::DataType;
 use arrow::record_batch::RecordBatch;
 use futures::future::try_join_all;
 use streamrl_schemas::codec::{self, Compression};
-use streamrl_schemas::{DeadLetterRow, Headers, MessageKind, SchemaId, TopicRow};
+use streamrl_schemas::{DeadLetterRow, Headers, MessageKind, SchemaId, Signal, TopicRow};
 use tokio::sync::watch;
 use tracing::Instrument;
 
@@ -62,8 +62,19 @@ pub struct RunnerConfig {
     /// Payload compression of outputs.
     pub compression: Compression,
     /// Where the stage's snapshot is kept (`<dir>/<stage>-<replica>.state`): restored
-    /// before `start`, written atomically after `close`. `None`: not persisted.
+    /// before `start`; written atomically after a call's outputs are delivered and before
+    /// the inputs it covers are acknowledged, whenever no input is held (while some are,
+    /// acknowledgements wait, so the file and the committed offsets always agree).
+    /// `None`: not persisted.
     pub state_dir: Option<std::path::PathBuf>,
+    /// The topic whose in-band [`Signal::EndOfRun`] ends the stage (the policy topic),
+    /// read as a broadcast for signals only when it is not already one of the stage's
+    /// broadcast inputs. `None`: the stage ends only on [`Shutdown`].
+    pub control: Option<String>,
+    /// At the end of the run, keep consuming until nothing has arrived for this long
+    /// before closing (the archive: what upstream stages emit while they finish still
+    /// reaches Parquet). `None`: close at once.
+    pub drain_on_end: Option<Duration>,
 }
 
 impl RunnerConfig {
@@ -81,6 +92,8 @@ impl RunnerConfig {
             max_backoff: Duration::from_secs(5),
             compression: Compression::Zstd,
             state_dir: None,
+            control: None,
+            drain_on_end: None,
         }
     }
 
@@ -187,7 +200,8 @@ impl Shutdown {
     }
 }
 
-/// Runs one stage replica until `shutdown` triggers or the stage fails for good.
+/// Runs one stage replica until `shutdown` triggers, the run ends in-band
+/// ([`Signal::EndOfRun`] on an input or on the control topic), or the stage fails for good.
 pub async fn run_stage(
     bus: Arc<dyn Bus>,
     cfg: RunnerConfig,
@@ -203,9 +217,18 @@ pub async fn run_stage(
     } else {
         Some(bus.subscribe(&cfg.stage, &names).await?)
     };
-    let mut broadcasts = Vec::new();
+    // (reader, whether its messages go to the stage): broadcast inputs, then the control
+    // topic when it is not one of them (its data is not the stage's business).
+    let mut broadcasts: Vec<(Box<dyn Consumer>, bool)> = Vec::new();
     for b in &cfg.broadcast {
-        broadcasts.push(bus.broadcast(&b.name).await?);
+        broadcasts.push((bus.broadcast(&b.name).await?, true));
+    }
+    if let Some(c) = cfg
+        .control
+        .as_ref()
+        .filter(|c| !cfg.broadcast.iter().any(|b| &&b.name == c))
+    {
+        broadcasts.push((bus.broadcast(c).await?, false));
     }
     let mut runner = Runner {
         producer,
@@ -223,7 +246,6 @@ pub async fn run_stage(
         traceparent: None,
     };
     let mut out = Emitter::default();
-    let mut held: Vec<(Option<String>, crate::bus::MessageId)> = Vec::new();
     let state_file = cfg
         .state_dir
         .as_ref()
@@ -240,38 +262,73 @@ pub async fn run_stage(
         })?;
         tracing::info!(stage = %runner.instance, bytes = bytes.len() as i64, "restored state");
     }
+    let mut acks = Acks {
+        held: Vec::new(),
+        deferred: Vec::new(),
+        state_file: state_file.filter(|_| stage.snapshot().is_some()),
+        written: None,
+    };
     runner
         .stage_call(&mut out, "start", |s, o| Box::pin(s.start(o)), &mut stage)
         .await?;
     runner.deliver(&mut out).await?;
+    acks.settle(consumer.as_mut(), &mut stage, None, out.take_flags())?;
 
     let mut tick = stage.tick_interval().map(|d| {
         let mut i = tokio::time::interval(d);
         i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         i
     });
+    // Set once the run has ended in-band, for a draining stage: when it last got a message.
+    let mut draining_since: Option<tokio::time::Instant> = None;
     loop {
+        let drained = async {
+            match (draining_since, cfg.drain_on_end) {
+                (Some(t), Some(d)) => tokio::time::sleep_until(t + d).await,
+                _ => std::future::pending().await,
+            }
+        };
         let next = tokio::select! {
             biased;
             _ = shutdown.wait() => break,
-            m = recv_any(&mut broadcasts) => Some((m, true)),
-            m = async { match consumer.as_mut() { Some(c) => c.recv().await, None => std::future::pending().await } } => Some((m, false)),
+            _ = drained => {
+                tracing::info!(stage = %runner.instance, "run ended: inputs drained");
+                break;
+            }
+            (m, i) = recv_any(&mut broadcasts) => Some((m, Some(i))),
+            m = async { match consumer.as_mut() { Some(c) => c.recv().await, None => std::future::pending().await } } => Some((m, None)),
             _ = async { match tick.as_mut() { Some(t) => { t.tick().await; } None => std::future::pending().await } } => None,
         };
-        match next {
+        let ended = match next {
             None => {
                 runner
                     .stage_call(&mut out, "tick", |s, o| Box::pin(s.tick(o)), &mut stage)
                     .await?;
                 runner.deliver(&mut out).await?;
-                settle(consumer.as_mut(), &mut held, None, out.take_flags())?;
+                acks.settle(consumer.as_mut(), &mut stage, None, out.take_flags())?;
+                false
             }
-            Some((msg, is_broadcast)) => {
+            Some((msg, from)) => {
                 let msg = msg?;
-                let id = msg.id();
-                runner.handle(msg, &mut stage, &mut out).await?;
-                let input = (!is_broadcast).then_some(id);
-                settle(consumer.as_mut(), &mut held, input, out.take_flags())?;
+                let ended = is_end_of_run(&msg);
+                let to_stage = from.is_none_or(|i| broadcasts[i].1);
+                if to_stage {
+                    let id = msg.id();
+                    runner.handle(msg, &mut stage, &mut out).await?;
+                    let input = from.is_none().then_some(id);
+                    acks.settle(consumer.as_mut(), &mut stage, input, out.take_flags())?;
+                }
+                if draining_since.is_some() {
+                    draining_since = Some(tokio::time::Instant::now());
+                }
+                ended
+            }
+        };
+        if ended && draining_since.is_none() {
+            tracing::info!(stage = %runner.instance, "end of run signalled");
+            match cfg.drain_on_end {
+                Some(_) => draining_since = Some(tokio::time::Instant::now()),
+                None => break,
             }
         }
     }
@@ -279,56 +336,93 @@ pub async fn run_stage(
         .stage_call(&mut out, "close", |s, o| Box::pin(s.close(o)), &mut stage)
         .await?;
     runner.deliver(&mut out).await?;
-    settle(consumer.as_mut(), &mut held, None, out.take_flags())?;
-    if !held.is_empty() {
-        tracing::info!(stage = %runner.instance, held = held.len(), "inputs still held at shutdown stay unacknowledged and will be redelivered");
+    acks.settle(consumer.as_mut(), &mut stage, None, out.take_flags())?;
+    if !acks.held.is_empty() || !acks.deferred.is_empty() {
+        tracing::info!(stage = %runner.instance, held = acks.held.len() + acks.deferred.len(), "inputs still held at shutdown stay unacknowledged and will be redelivered");
     }
     runner.producer.flush().await?;
     if let Some(c) = consumer {
         c.close().await?;
     }
-    for b in broadcasts {
+    for (b, _) in broadcasts {
         b.close().await?;
-    }
-    if let (Some(path), Some(state)) = (state_file, stage.snapshot()) {
-        write_atomically(&path, &state)?;
     }
     tracing::info!(stage = %runner.instance, "stopped cleanly");
     Ok(())
 }
 
-/// Acknowledges `input` unless the stage holds it, then whatever the stage released
-/// (everything held, or the inputs held under given keys). Called only after the call's
-/// outputs are delivered.
-fn settle(
-    consumer: Option<&mut Box<dyn Consumer>>,
-    held: &mut Vec<(Option<String>, crate::bus::MessageId)>,
-    input: Option<crate::bus::MessageId>,
-    flags: crate::stage::Settle,
-) -> Result<()> {
-    let Some(c) = consumer else { return Ok(()) };
-    if let Some(id) = input {
-        match flags.hold {
-            Some(key) => held.push((key, id)),
-            None => c.ack(&id)?,
-        }
-    }
-    if flags.release_all {
-        for (_, h) in held.drain(..) {
-            c.ack(&h)?;
-        }
-    } else if !flags.release_keys.is_empty() {
-        let mut keep = Vec::with_capacity(held.len());
-        for (key, h) in held.drain(..) {
-            if key.as_ref().is_some_and(|k| flags.release_keys.contains(k)) {
-                c.ack(&h)?;
-            } else {
-                keep.push((key, h));
+/// Whether a message is the in-band end of the run.
+fn is_end_of_run(msg: &Message) -> bool {
+    Headers::from_wire(&msg.headers).is_ok_and(|h| h.signal == Some(Signal::EndOfRun))
+}
+
+/// The inputs a replica has received and not yet acknowledged, and the stage state that
+/// must be durable before they are.
+struct Acks {
+    /// Inputs the stage holds, with their keys.
+    held: Vec<(Option<String>, crate::bus::MessageId)>,
+    /// Inputs processed while others were held, by a stage with persisted state: their
+    /// acknowledgement waits until nothing is held and the snapshot covering them is written.
+    deferred: Vec<crate::bus::MessageId>,
+    /// Where the snapshot goes (`None`: the stage keeps no state).
+    state_file: Option<std::path::PathBuf>,
+    /// The snapshot written last (an unchanged state is not written again).
+    written: Option<Vec<u8>>,
+}
+
+impl Acks {
+    /// Called after a call's outputs are delivered: acknowledges `input` unless the stage
+    /// holds it, then whatever the stage released (everything held, or the inputs held
+    /// under given keys). A stage with persisted state has its snapshot written first, and
+    /// only when no input stays held, so a restored state never counts an input that will
+    /// be delivered again and never misses one that was committed.
+    fn settle(
+        &mut self,
+        consumer: Option<&mut Box<dyn Consumer>>,
+        stage: &mut Box<dyn Stage>,
+        input: Option<crate::bus::MessageId>,
+        flags: crate::stage::Settle,
+    ) -> Result<()> {
+        stage.delivered().map_err(|e| crate::Error::Stage {
+            stage: "delivered hook".into(),
+            source: e,
+        })?;
+        let mut ready = Vec::new();
+        if let Some(id) = input {
+            match flags.hold {
+                Some(key) => self.held.push((key, id)),
+                None => ready.push(id),
             }
         }
-        *held = keep;
+        if flags.release_all {
+            ready.extend(self.held.drain(..).map(|(_, h)| h));
+        } else if !flags.release_keys.is_empty() {
+            let (released, kept): (Vec<_>, Vec<_>) = self
+                .held
+                .drain(..)
+                .partition(|(key, _)| key.as_ref().is_some_and(|k| flags.release_keys.contains(k)));
+            self.held = kept;
+            ready.extend(released.into_iter().map(|(_, h)| h));
+        }
+        if let Some(path) = &self.state_file {
+            if !self.held.is_empty() {
+                self.deferred.append(&mut ready);
+                return Ok(());
+            }
+            if let Some(state) = stage.snapshot()
+                && self.written.as_ref() != Some(&state)
+            {
+                write_atomically(path, &state)?;
+                self.written = Some(state);
+            }
+            ready.append(&mut self.deferred);
+        }
+        let Some(c) = consumer else { return Ok(()) };
+        for id in &ready {
+            c.ack(id)?;
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// Writes `bytes` to `path` via a temporary file and a rename, so readers never see a
@@ -347,12 +441,14 @@ fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
     std::fs::rename(&tmp, path).map_err(|e| io("renaming into", e))
 }
 
-async fn recv_any(consumers: &mut [Box<dyn Consumer>]) -> Result<Message> {
+/// The next message of any of the readers, with the reader's index.
+async fn recv_any(consumers: &mut [(Box<dyn Consumer>, bool)]) -> (Result<Message>, usize) {
     if consumers.is_empty() {
         return std::future::pending().await;
     }
-    let futs = consumers.iter_mut().map(|c| c.recv());
-    futures::future::select_all(futs).await.0
+    let futs = consumers.iter_mut().map(|(c, _)| c.recv());
+    let (m, i, _) = futures::future::select_all(futs).await;
+    (m, i)
 }
 
 type StageFuture<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), StageError>> + Send + 'a>>;

@@ -214,7 +214,17 @@ pub trait Stage: Send {
         Ok(())
     }
 
-    /// State to persist with a checkpoint.
+    /// Called after every output of the last call (`process`, `tick`, `signal`, `start`
+    /// or `close`) was delivered, before the inputs it covers are acknowledged: the place
+    /// to make durable what depends on those outputs being out (the trainer records the
+    /// version it has published, so a restart does not publish it again).
+    fn delivered(&mut self) -> Result<(), StageError> {
+        Ok(())
+    }
+
+    /// State the runtime persists (see `RunnerConfig::state_dir`): written after a call's
+    /// outputs are delivered and before its inputs are acknowledged, whenever no input
+    /// is held; restored before `start`.
     fn snapshot(&self) -> Option<Vec<u8>> {
         None
     }

@@ -69,6 +69,14 @@ pub enum StageKind {
     Archive,
 }
 
+impl StageKind {
+    /// Kinds that hold the run's single sequence (group numbering, policy versions) and so
+    /// run as exactly one replica.
+    pub fn is_singleton(self) -> bool {
+        matches!(self, StageKind::Source | StageKind::Trainer)
+    }
+}
+
 /// What schemas a stage kind reads and writes.
 #[derive(Debug, Clone, Copy)]
 pub struct Ports {
@@ -138,7 +146,7 @@ impl StageKind {
             StageKind::Trainer => Ports {
                 inputs: Some(&[S::Samples]),
                 broadcast: &[],
-                outputs: &[S::Policy, S::Metrics],
+                outputs: &[S::Policy, S::Trained, S::Metrics],
             },
             StageKind::Archive => Ports {
                 inputs: None,
@@ -468,6 +476,21 @@ impl Topology {
             if raw.replicas == 0 {
                 err(&mut errs, format!("{path}.replicas"), "must be at least 1".into());
             }
+            if raw.replicas > 1 && kind.is_singleton() {
+                err(
+                    &mut errs,
+                    format!("{path}.replicas"),
+                    format!(
+                        "a {kind} stage runs as one replica ({} would {}); set replicas: 1",
+                        raw.replicas,
+                        if kind == StageKind::Source {
+                            "each admit and number the same groups"
+                        } else {
+                            "each train and publish versions of their own"
+                        }
+                    ),
+                );
+            }
             for t in &inputs {
                 if let Some(decl) = topics.get(t)
                     && raw.replicas > decl.partitions
@@ -640,6 +663,14 @@ impl Topology {
         cfg.broadcast = s.broadcast.iter().filter_map(bind).collect();
         cfg.outputs = s.outputs.iter().filter_map(bind).collect();
         cfg.state_dir = Some(self.run_dir.join("state"));
+        cfg.control = self
+            .topics
+            .iter()
+            .find(|(_, d)| d.schema == SchemaId::Policy)
+            .map(|(n, _)| n.clone());
+        if s.kind == StageKind::Archive {
+            cfg.drain_on_end = Some(std::time::Duration::from_secs(3));
+        }
         Some(cfg)
     }
 

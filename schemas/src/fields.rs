@@ -69,6 +69,9 @@ pub const REWARD: &str = "reward";
 pub const REWARD_COMPONENTS: &str = "reward_components";
 /// Group-relative advantage.
 pub const ADVANTAGE: &str = "advantage";
+/// What the trainer did with a sample (`trained`, `filtered`, `stale`, `duplicate`,
+/// `superseded`), on the `trained` lineage topic.
+pub const OUTCOME: &str = "outcome";
 /// Policy version number.
 pub const VERSION: &str = "version";
 /// Checkpoint URI.

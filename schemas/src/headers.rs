@@ -46,6 +46,9 @@ pub enum Signal {
     PolicyVersion(u32),
     /// A checkpoint barrier.
     Barrier(u64),
+    /// The run is over (the trainer published its last version): every stage that sees
+    /// it, on any input, finishes what it holds, commits and exits.
+    EndOfRun,
 }
 
 impl fmt::Display for Signal {
@@ -54,6 +57,7 @@ impl fmt::Display for Signal {
             Signal::EndOfData => f.write_str("end_of_data"),
             Signal::PolicyVersion(v) => write!(f, "policy_version:{v}"),
             Signal::Barrier(e) => write!(f, "barrier:{e}"),
+            Signal::EndOfRun => f.write_str("end_of_run"),
         }
     }
 }
@@ -68,12 +72,13 @@ impl std::str::FromStr for Signal {
         };
         match s.split_once(':') {
             None if s == "end_of_data" => Ok(Signal::EndOfData),
+            None if s == "end_of_run" => Ok(Signal::EndOfRun),
             Some(("policy_version", v)) => v
                 .parse()
                 .map(Signal::PolicyVersion)
                 .map_err(|_| bad("version is not a u32")),
             Some(("barrier", v)) => v.parse().map(Signal::Barrier).map_err(|_| bad("epoch is not a u64")),
-            _ => Err(bad("expected end_of_data, policy_version:N or barrier:N")),
+            _ => Err(bad("expected end_of_data, end_of_run, policy_version:N or barrier:N")),
         }
     }
 }
@@ -226,7 +231,12 @@ mod tests {
         assert_eq!(Headers::from_wire(&h.to_wire()).unwrap(), h);
         let s = Headers::signal(SchemaId::Policy, "trainer-0", Signal::PolicyVersion(3));
         assert_eq!(Headers::from_wire(&s.to_wire()).unwrap(), s);
-        for sig in [Signal::EndOfData, Signal::Barrier(9), Signal::PolicyVersion(0)] {
+        for sig in [
+            Signal::EndOfData,
+            Signal::EndOfRun,
+            Signal::Barrier(9),
+            Signal::PolicyVersion(0),
+        ] {
             assert_eq!(sig.to_string().parse::<Signal>().unwrap(), sig);
         }
     }

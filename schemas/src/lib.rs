@@ -36,8 +36,8 @@ mod schema;
 pub use error::{Error, Result};
 pub use headers::{HeaderKey, Headers, MessageKind, Signal, WireHeaders};
 pub use rows::{
-    ContinuationRow, DeadLetterRow, ExecutedRow, MetricRow, PolicyRow, PromptRow, RewardComponent, RolloutRow,
-    SampleRow, ScoredRow, ToolCall, ToolOutput, TopicRow,
+    ContinuationRow, DeadLetterRow, ExecutedRow, MetricRow, Outcome, PolicyRow, PromptRow, RewardComponent, RolloutRow,
+    SampleRow, ScoredRow, ToolCall, ToolOutput, TopicRow, TrainedRow,
 };
 pub use schema::SchemaId;
 

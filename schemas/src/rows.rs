@@ -329,6 +329,56 @@ pub struct PolicyRow {
     pub created_at: i64,
 }
 
+/// `trained`: lineage. One row per sample the trainer consumed for policy `version`:
+/// trained into it, or dropped with the reason.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainedRow {
+    /// Training run.
+    pub run_id: String,
+    /// The policy version this row belongs to (trained into it, or dropped while the
+    /// trainer made it).
+    pub version: u32,
+    /// The step the sample's group was admitted for.
+    pub step: u64,
+    /// Its group.
+    pub group_id: String,
+    /// The sample.
+    pub sample_id: String,
+    /// What happened to it (see [`Outcome`]).
+    pub outcome: String,
+    /// Creation time, ms since epoch.
+    pub created_at: i64,
+}
+
+/// What the trainer did with a sample, as written in [`TrainedRow::outcome`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Trained into the version.
+    Trained,
+    /// Consumed but untrainable: no token in its loss mask (e.g. a zero-variance group).
+    Filtered,
+    /// Dropped: its oldest token came from a policy older than `max_off_policy_steps`.
+    Stale,
+    /// Dropped: a copy of a sample already consumed (a redelivery or a regenerated copy).
+    Duplicate,
+    /// Dropped: its step is older than the trainer's deduplication window, so it can no
+    /// longer be told apart from a copy (an old group regenerated after a restart).
+    Superseded,
+}
+
+impl Outcome {
+    /// The name written on the topic.
+    pub fn name(self) -> &'static str {
+        match self {
+            Outcome::Trained => "trained",
+            Outcome::Filtered => "filtered",
+            Outcome::Stale => "stale",
+            Outcome::Duplicate => "duplicate",
+            Outcome::Superseded => "superseded",
+        }
+    }
+}
+
 /// `metrics`: one metric value.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MetricRow {
@@ -375,6 +425,7 @@ macro_rules! impl_row {
     ($($t:ty => $s:expr),*) => { $(impl TopicRow for $t { const SCHEMA: SchemaId = $s; })* };
 }
 impl_row!(PromptRow => SchemaId::Prompts, SampleRow => SchemaId::Samples, PolicyRow => SchemaId::Policy,
+          TrainedRow => SchemaId::Trained,
           MetricRow => SchemaId::Metrics, DeadLetterRow => SchemaId::DeadLetter);
 
 // serde_arrow maps `serde_bytes`-style byte sequences onto Binary columns.
@@ -642,6 +693,15 @@ pub(crate) mod tests {
             uri: "file:///tmp/x".into(),
             sha256: "00".repeat(32),
             created_at: 1,
+        }]);
+        round_trip(vec![TrainedRow {
+            run_id: "run".into(),
+            version: 5,
+            step: 4,
+            group_id: "run-g0000001".into(),
+            sample_id: "run-g0000001-s3".into(),
+            outcome: Outcome::Stale.name().into(),
+            created_at: 2,
         }]);
         round_trip(vec![MetricRow {
             run_id: "run".into(),

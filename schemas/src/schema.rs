@@ -28,6 +28,8 @@ pub enum SchemaId {
     Samples,
     /// A new policy version in the checkpoint store.
     Policy,
+    /// Lineage: per policy version, every sample the trainer trained or dropped, and why.
+    Trained,
     /// One metric value.
     Metrics,
     /// A message that could not be processed, with the reason.
@@ -36,7 +38,7 @@ pub enum SchemaId {
 
 impl SchemaId {
     /// Every schema, in pipeline order.
-    pub const ALL: [SchemaId; 9] = [
+    pub const ALL: [SchemaId; 10] = [
         SchemaId::Prompts,
         SchemaId::Rollouts,
         SchemaId::Continuations,
@@ -44,6 +46,7 @@ impl SchemaId {
         SchemaId::Scored,
         SchemaId::Samples,
         SchemaId::Policy,
+        SchemaId::Trained,
         SchemaId::Metrics,
         SchemaId::DeadLetter,
     ];
@@ -58,6 +61,7 @@ impl SchemaId {
             SchemaId::Scored => "scored",
             SchemaId::Samples => "samples",
             SchemaId::Policy => "policy",
+            SchemaId::Trained => "trained",
             SchemaId::Metrics => "metrics",
             SchemaId::DeadLetter => "dead_letter",
         }
@@ -141,6 +145,14 @@ impl SchemaId {
                 u64f(f::STEP),
                 utf8(f::URI),
                 utf8(f::SHA256),
+            ],
+            SchemaId::Trained => vec![
+                utf8(f::RUN_ID),
+                u32f(f::VERSION),
+                u64f(f::STEP),
+                utf8(f::GROUP_ID),
+                utf8(f::SAMPLE_ID),
+                utf8(f::OUTCOME),
             ],
             SchemaId::Metrics => vec![
                 utf8(f::RUN_ID),

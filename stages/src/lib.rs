@@ -95,6 +95,10 @@ pub struct Ctx {
     pub outputs: Vec<(String, SchemaId)>,
     /// The configured environments, when the topology has an `envs:` section.
     pub envs: Option<Arc<Mix>>,
+    /// Whether the bus keeps what was published across a restart of this process (Kafka:
+    /// true; the in-process memory bus: false, so a restarted run starts from empty topics
+    /// and must re-admit and re-announce what was in flight).
+    pub durable_bus: bool,
 }
 
 impl Ctx {

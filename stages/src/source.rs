@@ -7,10 +7,12 @@
 //! the loop is synchronous. Emitted-but-untrained groups count (admission is by step, not
 //! by finished groups), and the trainer consumes exactly `groups_per_step` groups per
 //! version, so the accounting stays exact. Admission starts with the first policy version
-//! seen (the trainer announces its version when it starts). The position (`next_group`)
-//! survives a restart (stage snapshot); after one, groups of steps the trainer has not
-//! trained yet are admitted again under the same ids (and the same problems), since an
-//! in-process bus loses what was in flight.
+//! seen (the newest on the topic, or the one the trainer announces when it starts). The
+//! state (position, epochs, pools, open groups) is the stage's snapshot, which the runtime
+//! writes after every admission is delivered, so a SIGKILLed source resumes where it was
+//! and re-sends at most the groups whose delivery it had not yet recorded. On the
+//! in-process memory bus, whose topics die with the process, groups of steps the trainer
+//! has not trained yet are admitted again under the same ids (and the same problems).
 //!
 //! **Datasets** (environments with a finite train split) are read in epochs: each epoch
 //! visits every train problem once, in an order shuffled per epoch (`shuffle`), and with
@@ -578,15 +580,17 @@ impl Stage for SourceStage {
             let Some(v) = rows::<PolicyRow>(&input.batch)?.iter().map(|p| p.version as u64).max() else {
                 return Ok(());
             };
-            if !self.synced {
-                // The first version seen since start is where the trainer stands: groups
-                // admitted for steps it has not trained may have been lost with an
-                // in-process bus, so they are admitted again, under the same ids (the
-                // trainer skips any sample it already holds).
+            if !self.synced && !self.ctx.durable_bus {
+                // The first version seen since start is where the trainer stands. On an
+                // in-process bus everything in flight died with the process, so groups
+                // admitted for steps the trainer has not trained are admitted again, under
+                // the same ids (the trainer skips any sample it already holds). A durable
+                // bus (Kafka) still holds them: the source resumes where its state says.
                 self.synced = true;
                 self.state.latest_version = v;
                 self.state.next_group = self.state.next_group.min(v * self.cfg.groups_per_step as u64);
             } else {
+                self.synced = true;
                 self.state.latest_version = self.state.latest_version.max(v);
             }
             self.admit(out)?;

@@ -12,10 +12,19 @@
 //! comes from a policy older than `version − max_off_policy_steps` is dropped and counted.
 //!
 //! Restarts: each version is written to `checkpoints/step-NNNNNN/` (weights, tokenizer,
-//! optimizer state, and `trainer_state.json` last, with the ids of every sample consumed);
-//! the stage resumes from the newest complete one, skips samples it already consumed, and
-//! holds its inputs until the checkpoint that includes them is on disk, so a crash neither
-//! loses nor repeats a sample.
+//! optimizer state, and `trainer_state.json` last, with the ids of the samples consumed in
+//! the last `dedup_window` steps); the stage resumes from the newest complete one, skips
+//! samples it already consumed (samples of steps older than the window are dropped as
+//! superseded: too old to tell from a copy), and holds its inputs until the checkpoint
+//! that includes them is on disk, so a crash neither loses nor repeats a sample. The
+//! version it has published is recorded (`checkpoints/published`) once the bus has it; on
+//! a durable bus a restarted trainer publishes its newest checkpoint only if that record
+//! is older (a kill between saving and publishing), never twice.
+//!
+//! Lineage: with a topic of schema `trained` among its outputs, the trainer emits, with
+//! each version, one row per sample it consumed for it (trained, filtered, stale), and
+//! one row per copy it dropped (duplicate, superseded) when it drops it. After
+//! `max_steps` it signals the end of the run on `policy` ([`Signal::EndOfRun`]).
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -24,7 +33,7 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use streamrl_model::chat::ChatTemplate;
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
-use streamrl_schemas::{PolicyRow, SampleRow, SchemaId, TopicRow};
+use streamrl_schemas::{Outcome, PolicyRow, SampleRow, SchemaId, Signal, TopicRow, TrainedRow};
 
 use crate::train::{Learner, StepReport, TrainConfig, TrainSample};
 use crate::{Ctx, compute, now_ms, rows};
@@ -56,6 +65,9 @@ pub struct TrainerConfig {
     pub eval_every: u64,
     /// Held-out problems per environment for `eval_every`.
     pub eval_problems: usize,
+    /// Steps of sample ids remembered for deduplication (bounded memory): a sample of a
+    /// step older than `version − dedup_window` is dropped as superseded.
+    pub dedup_window: u64,
     /// Completion tokens at most in the held-out evaluation.
     pub eval_max_tokens: usize,
 }
@@ -74,6 +86,7 @@ impl Default for TrainerConfig {
             eval_every: 0,
             eval_problems: 200,
             eval_max_tokens: 16,
+            dedup_window: 64,
         }
     }
 }
@@ -88,6 +101,12 @@ impl TrainerConfig {
         if self.groups_per_step == 0 {
             p.push("groups_per_step must be at least 1".into());
         }
+        if self.dedup_window <= self.max_off_policy_steps {
+            p.push(format!(
+                "dedup_window {} must exceed max_off_policy_steps {} (a sample young enough to train must be told apart from a copy)",
+                self.dedup_window, self.max_off_policy_steps
+            ));
+        }
         if self.keep_last == 0 {
             p.push("keep_last must be at least 1 (rollout replicas load the newest)".into());
         }
@@ -98,9 +117,11 @@ impl TrainerConfig {
 
 /// What the trainer persists with each checkpoint.
 #[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
 struct TrainerState {
     version: u64,
-    consumed: Vec<String>,
+    /// Sample ids consumed, by admitted step, for the steps inside the dedup window.
+    consumed_by_step: BTreeMap<u64, Vec<String>>,
 }
 
 /// The trainer stage.
@@ -112,8 +133,14 @@ pub struct TrainerStage {
     policy_topic: String,
     version: u64,
     current: PolicyRow,
-    consumed: HashSet<String>,
-    consumed_order: Vec<String>,
+    /// Sample ids consumed, by admitted step (steps below the dedup watermark are pruned).
+    consumed: BTreeMap<u64, HashSet<String>>,
+    /// The lineage topic, when configured.
+    trained_topic: Option<String>,
+    /// The newest version the bus has acknowledged on `policy` (from `checkpoints/published`).
+    published: Option<u64>,
+    /// A version emitted on `policy` whose delivery is not yet recorded.
+    publishing: Option<u64>,
     /// Groups waiting, by admitted step, then group id.
     buffer: BTreeMap<u64, BTreeMap<String, Vec<SampleRow>>>,
     /// Since when groups of a later step have been waiting on an incomplete current step.
@@ -172,6 +199,9 @@ impl TrainerStage {
             }
             None => (cfg.checkpoint.clone(), TrainerState::default()),
         };
+        let published = std::fs::read_to_string(store.join("published"))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok());
         let learner =
             Learner::load(&dir, cfg.train.clone()).map_err(|e| vec![format!("checkpoint {}: {e}", dir.display())])?;
         let sha = streamrl_model::checkpoint::weights_sha256(&dir).map_err(|e| vec![e.to_string()])?;
@@ -185,8 +215,14 @@ impl TrainerStage {
             created_at: now_ms(),
         };
         Ok(TrainerStage {
-            consumed: state.consumed.iter().cloned().collect(),
-            consumed_order: state.consumed,
+            consumed: state
+                .consumed_by_step
+                .into_iter()
+                .map(|(k, v)| (k, v.into_iter().collect()))
+                .collect(),
+            trained_topic: ctx.output(SchemaId::Trained),
+            published,
+            publishing: None,
             version: state.version,
             current,
             cfg,
@@ -211,12 +247,54 @@ impl TrainerStage {
         self.cfg.max_steps.is_some_and(|m| self.version >= m)
     }
 
-    fn publish(&self, out: &mut Emitter) -> Result<(), StageError> {
+    fn publish(&mut self, out: &mut Emitter) -> Result<(), StageError> {
         out.emit(
             self.policy_topic.clone(),
             PolicyRow::to_batch(std::slice::from_ref(&self.current))
                 .map_err(|e| StageError::internal(e.to_string()))?,
         );
+        self.publishing = Some(self.version);
+        if self.done() {
+            // The last version: every stage of the run finishes on this.
+            out.signal(self.policy_topic.clone(), Signal::EndOfRun);
+        }
+        Ok(())
+    }
+
+    /// The oldest admitted step whose sample ids are still remembered.
+    fn watermark(&self) -> u64 {
+        self.version.saturating_sub(self.cfg.dedup_window)
+    }
+
+    /// Emits lineage rows for `version` (when a `trained` topic is configured).
+    fn lineage<'a>(
+        &self,
+        out: &mut Emitter,
+        version: u64,
+        rows: impl IntoIterator<Item = (&'a SampleRow, Outcome)>,
+    ) -> Result<(), StageError> {
+        let Some(topic) = &self.trained_topic else {
+            return Ok(());
+        };
+        let now = now_ms();
+        let rows: Vec<TrainedRow> = rows
+            .into_iter()
+            .map(|(s, o)| TrainedRow {
+                run_id: self.ctx.run_id.clone(),
+                version: version as u32,
+                step: s.step,
+                group_id: s.group_id.clone(),
+                sample_id: s.sample_id.clone(),
+                outcome: o.name().into(),
+                created_at: now,
+            })
+            .collect();
+        if !rows.is_empty() {
+            out.emit(
+                topic.clone(),
+                TrainedRow::to_batch(&rows).map_err(|e| StageError::internal(e.to_string()))?,
+            );
+        }
         Ok(())
     }
 
@@ -253,17 +331,21 @@ impl TrainerStage {
         let mut staleness: BTreeMap<u64, u64> = BTreeMap::new();
         let (mut stale, mut filtered_samples) = (0u64, 0u64);
         let mut train = Vec::new();
+        let mut outcomes = Vec::with_capacity(all.len());
         for s in &all {
             let oldest = s.completion_versions.iter().copied().min().unwrap_or(version as u32) as u64;
             *staleness.entry(version.saturating_sub(oldest)).or_default() += 1;
             if !s.loss_mask.iter().any(|m| *m) {
                 filtered_samples += 1;
+                outcomes.push((s, Outcome::Filtered));
                 continue;
             }
             if oldest < oldest_ok {
                 stale += 1;
+                outcomes.push((s, Outcome::Stale));
                 continue;
             }
+            outcomes.push((s, Outcome::Trained));
             train.push(TrainSample {
                 prompt: s.prompt_token_ids.clone(),
                 completion: s.completion_token_ids.clone(),
@@ -282,9 +364,10 @@ impl TrainerStage {
             self.waiting_since = Some(std::time::Instant::now());
         }
         for s in &all {
-            self.consumed.insert(s.sample_id.clone());
-            self.consumed_order.push(s.sample_id.clone());
+            self.consumed.entry(s.step).or_default().insert(s.sample_id.clone());
         }
+        let watermark = self.watermark();
+        self.consumed = self.consumed.split_off(&watermark);
         let dir = self.store.join(format!("step-{:06}", self.version));
         let sha =
             compute(|| self.save(&dir)).map_err(|e| StageError::internal(format!("saving {}: {e}", dir.display())))?;
@@ -296,6 +379,7 @@ impl TrainerStage {
             sha256: sha,
             created_at: now_ms(),
         };
+        self.lineage(out, self.version, outcomes)?;
         self.publish(out)?;
         self.retain();
         let n = all.len().max(1) as f64;
@@ -392,7 +476,15 @@ impl TrainerStage {
         let sha = self.learner.save(dir).map_err(|e| e.to_string())?;
         let state = TrainerState {
             version: self.version,
-            consumed: self.consumed_order.clone(),
+            consumed_by_step: self
+                .consumed
+                .iter()
+                .map(|(k, v)| {
+                    let mut ids: Vec<String> = v.iter().cloned().collect();
+                    ids.sort();
+                    (*k, ids)
+                })
+                .collect(),
         };
         let tmp = dir.join("trainer_state.json.tmp");
         std::fs::write(&tmp, serde_json::to_vec(&state).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
@@ -431,8 +523,13 @@ impl TrainerStage {
 #[async_trait]
 impl Stage for TrainerStage {
     async fn start(&mut self, out: &mut Emitter) -> Result<(), StageError> {
-        // Announce the version serving now (a resumed trainer's newest checkpoint).
-        self.publish(out)?;
+        // Announce the version serving now (a resumed trainer's newest checkpoint), unless a
+        // durable bus already has it.
+        if !self.ctx.durable_bus || self.published.is_none_or(|p| p < self.version) {
+            self.publish(out)?;
+        } else if self.done() {
+            out.signal(self.policy_topic.clone(), Signal::EndOfRun);
+        }
         if self.cfg.eval_every > 0 && self.version == 0 {
             let m = self.heldout();
             let refs: Vec<(&str, f64)> = m.iter().map(|(k, v)| (k.as_str(), *v)).collect();
@@ -451,15 +548,26 @@ impl Stage for TrainerStage {
             return Ok(());
         }
         let mut kept = None;
+        let mut dropped = Vec::new();
         for s in samples {
-            let dup = self.consumed.contains(&s.sample_id)
-                || self
-                    .buffer
-                    .get(&s.step)
-                    .and_then(|g| g.get(&s.group_id))
-                    .is_some_and(|g| g.iter().any(|x| x.sample_id == s.sample_id));
-            if dup {
+            if s.step < self.watermark() {
+                dropped.push((s, Outcome::Superseded));
+                continue;
+            }
+            let pending = self
+                .buffer
+                .get(&s.step)
+                .and_then(|g| g.get(&s.group_id))
+                .is_some_and(|g| g.iter().any(|x| x.sample_id == s.sample_id));
+            if pending {
+                // A copy of a sample waiting for its step (a redelivery after a rebalance):
+                // held with its group, so its offset is not committed before the original
+                // is in a checkpoint.
+                kept.get_or_insert_with(|| s.group_id.clone());
+            }
+            if pending || self.consumed.get(&s.step).is_some_and(|ids| ids.contains(&s.sample_id)) {
                 self.duplicates += 1;
+                dropped.push((s, Outcome::Duplicate));
                 continue;
             }
             kept.get_or_insert_with(|| s.group_id.clone());
@@ -474,12 +582,27 @@ impl Stage for TrainerStage {
         if let Some(g) = kept {
             out.hold_as(g);
         }
+        self.lineage(out, self.version + 1, dropped.iter().map(|(s, o)| (s, *o)))?;
         if self.waiting_since.is_none() && self.buffer.range(self.version + 1..).next().is_some() {
             self.waiting_since = Some(std::time::Instant::now());
         }
         while !self.done() && self.ready() {
             self.train_step(out)?;
         }
+        Ok(())
+    }
+
+    fn delivered(&mut self) -> Result<(), StageError> {
+        let Some(v) = self.publishing.take() else {
+            return Ok(());
+        };
+        let path = self.store.join("published");
+        let tmp = self.store.join("published.tmp");
+        std::fs::create_dir_all(&self.store)
+            .and_then(|()| std::fs::write(&tmp, v.to_string()))
+            .and_then(|()| std::fs::rename(&tmp, &path))
+            .map_err(|e| StageError::internal(format!("recording published version {v} in {}: {e}", path.display())))?;
+        self.published = Some(v);
         Ok(())
     }
 

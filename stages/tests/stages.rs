@@ -40,6 +40,7 @@ fn ctx(stage: &str, run_dir: &Path, outputs: &[(&str, SchemaId)]) -> Ctx {
         inputs: Vec::new(),
         outputs: outputs.iter().map(|(n, s)| (n.to_string(), *s)).collect(),
         envs: build_envs(&envs).unwrap().map(Arc::new),
+        durable_bus: false,
     }
 }
 

@@ -7,7 +7,14 @@
 //!   message is acknowledged (after its outputs were delivered) and only up to the first
 //!   unacknowledged offset; stored offsets are auto-committed every second, committed
 //!   synchronously when partitions are revoked, and on [`Consumer::close`].
-//! * Broadcast readers assign every partition manually from the beginning (no group).
+//! * Broadcast readers assign every partition manually from its newest record (no group).
+//! * Consumers never auto-create topics (`allow.auto.create.topics=false`): topics are
+//!   created with the topology's partition counts before any stage starts.
+//! * Static membership: a consumer of a stage replica joins with `group.instance.id =
+//!   <group>-<replica>`, so a replica restarted within the session timeout takes its
+//!   partitions back without a rebalance of the whole group.
+//! * Broker outages do not end a consumer: transient errors (all brokers down, transport
+//!   failures) are logged and retried with backoff; only fatal errors are returned.
 //!
 //! URL parameters: `queue_kbytes` (producer in-flight bound, default 65536),
 //! `session_timeout_ms` (default 10000), `max_message_bytes` (default 16 MiB).
@@ -139,6 +146,7 @@ impl KafkaBus {
             .set("auto.commit.interval.ms", "1000")
             .set("enable.auto.offset.store", "false")
             .set("auto.offset.reset", "earliest")
+            .set("allow.auto.create.topics", "false")
             .set("session.timeout.ms", self.opts.session_timeout_ms.to_string())
             .set(
                 "heartbeat.interval.ms",
@@ -308,7 +316,8 @@ impl Bus for KafkaBus {
             .map_err(kerr("creating consumer"))?;
         let mut tpl = TopicPartitionList::new();
         for p in 0..n {
-            tpl.add_partition_offset(topic, p as i32, Offset::Beginning)
+            // The newest record (the current value), then everything after it.
+            tpl.add_partition_offset(topic, p as i32, Offset::OffsetTail(1))
                 .map_err(kerr("assigning"))?;
             shared
                 .lock()
@@ -526,6 +535,25 @@ impl Producer for KafkaProducer {
     }
 }
 
+/// Whether a consumer error ends the consumer (anything else is a broker outage or a
+/// transient condition that librdkafka recovers from by itself).
+fn is_fatal(e: &KafkaError) -> bool {
+    match e.rdkafka_error_code() {
+        Some(
+            RDKafkaErrorCode::Fatal
+            | RDKafkaErrorCode::Fenced
+            | RDKafkaErrorCode::FencedInstanceId
+            | RDKafkaErrorCode::InvalidConfig
+            | RDKafkaErrorCode::UnknownTopicOrPartition
+            | RDKafkaErrorCode::UnknownTopic
+            | RDKafkaErrorCode::TopicAuthorizationFailed
+            | RDKafkaErrorCode::GroupAuthorizationFailed,
+        ) => true,
+        Some(_) => false,
+        None => !matches!(e, KafkaError::MessageConsumption(_) | KafkaError::PartitionEOF(_)),
+    }
+}
+
 #[derive(Default)]
 struct Assignment {
     owned: HashSet<(String, u32)>,
@@ -582,7 +610,20 @@ impl KafkaConsumer {
 #[async_trait]
 impl Consumer for KafkaConsumer {
     async fn recv(&mut self) -> Result<Message> {
-        let m = self.consumer.recv().await.map_err(kerr("receiving"))?;
+        let mut backoff = Duration::from_millis(100);
+        let m = loop {
+            match self.consumer.recv().await {
+                Ok(m) => break m,
+                // librdkafka reconnects by itself; a consumer outlives a broker outage.
+                Err(e) if !is_fatal(&e) => {
+                    tracing::warn!(error = %e, "consumer: broker unavailable, retrying in {backoff:?}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+                Err(e) => return Err(kerr("receiving")(e)),
+            }
+        };
+        let epoch = self.epoch();
         let headers = m
             .headers()
             .map(|h| {
@@ -599,10 +640,10 @@ impl Consumer for KafkaConsumer {
             headers,
             payload: Bytes::copy_from_slice(m.payload().unwrap_or_default()),
             timestamp_ms: m.timestamp().to_millis().unwrap_or(0),
+            epoch,
         };
         drop(m);
         if !self.broadcast {
-            let epoch = self.epoch();
             let entry = self
                 .acks
                 .entry((msg.topic.clone(), msg.partition))
@@ -625,8 +666,11 @@ impl Consumer for KafkaConsumer {
         let Some((e, acks)) = self.acks.get_mut(&key) else {
             return Ok(());
         };
-        if *e != epoch {
-            // Revoked since delivery: the next owner gets the record again.
+        if id.epoch != epoch || *e != epoch {
+            // Delivered before a rebalance (revoked since, or revoked and assigned back):
+            // the record is delivered again from the committed offset, and only that
+            // delivery's acknowledgement counts. Matching this one against the new
+            // tracker would commit past the redelivered copy before it is processed.
             return Ok(());
         }
         if let Some(next) = acks.ack(id.offset) {

@@ -166,8 +166,23 @@ impl MemoryBus {
             }
             st.next_member += 1;
             let member = st.next_member;
+            // A broadcast reader starts at the newest record of each partition.
+            let newest: Vec<((String, u32), u64)> =
+                if ephemeral {
+                    topics
+                        .iter()
+                        .flat_map(|t| {
+                            st.topics[t].partitions.iter().enumerate().map(move |(p, part)| {
+                                ((t.clone(), p as u32), part.start.max(part.end().saturating_sub(1)))
+                            })
+                        })
+                        .collect()
+                } else {
+                    Vec::new()
+                };
             let g = st.groups.entry(group.to_string()).or_default();
             g.ephemeral = ephemeral;
+            g.committed.extend(newest);
             g.members.insert(member, topics.to_vec());
             g.topics.extend(topics.iter().cloned());
             g.generation += 1;
@@ -509,6 +524,7 @@ impl Consumer for MemoryConsumer {
                         headers: s.headers.clone(),
                         payload: s.payload.clone(),
                         timestamp_ms: s.timestamp_ms,
+                        epoch: self.generation,
                     };
                     self.rr = idx + 1;
                     if self.broadcast {

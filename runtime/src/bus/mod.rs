@@ -115,6 +115,10 @@ pub struct MessageId {
     pub partition: u32,
     /// Offset within the partition.
     pub offset: u64,
+    /// The consumer's assignment epoch when the message was delivered: an
+    /// acknowledgement of a delivery from before a rebalance is ignored (the partition's
+    /// new owner, or this consumer after it was reassigned, gets the record again).
+    pub epoch: u64,
 }
 
 /// A consumed message.
@@ -134,6 +138,8 @@ pub struct Message {
     pub payload: Bytes,
     /// Append time, ms since epoch.
     pub timestamp_ms: i64,
+    /// The consumer's assignment epoch at delivery (see [`MessageId::epoch`]).
+    pub epoch: u64,
 }
 
 impl Message {
@@ -143,6 +149,7 @@ impl Message {
             topic: self.topic.clone(),
             partition: self.partition,
             offset: self.offset,
+            epoch: self.epoch,
         }
     }
 
@@ -225,8 +232,10 @@ pub trait Bus: Send + Sync + 'static {
     /// group's members and re-spread when members join or leave.
     async fn subscribe(&self, group: &str, topics: &[String]) -> Result<Box<dyn Consumer>>;
 
-    /// A broadcast subscription: sees every message of `topic` from the earliest retained
-    /// one, whoever else reads it. Nothing is committed.
+    /// A broadcast subscription: sees the newest message of each partition of `topic`
+    /// (its current value, e.g. the latest policy version) and every message after it,
+    /// whoever else reads it; never older history, so a restarted reader does not replay
+    /// the past. Nothing is committed.
     async fn broadcast(&self, topic: &str) -> Result<Box<dyn Consumer>>;
 
     /// Per-partition offsets of `topic` and the committed offsets of `groups`.

@@ -1,0 +1,309 @@
+//! `streamrl up` and `streamrl down`: every replica of every stage as its own
+//! `streamrl stage` process on a shared (Kafka) bus, supervised.
+//!
+//! `up` creates the topology's topics (so no client can auto-create one with the broker's
+//! default partition count), runs the SFT warm start when the topology has one and its
+//! output is missing, then starts one process per replica, each logging to
+//! `<run_dir>/logs/<stage>-<replica>.log`. A process that exits with status 0 has seen the
+//! end of the run and is not restarted; one that dies otherwise (a crash, a kill, a broker
+//! it could not reach) is restarted after a backoff (0.5 s doubling to 10 s, reset once it
+//! has run for 30 s), with the cause logged. `up` exits 0 once every replica has ended
+//! with the run, and gives up (stopping the others) when one replica fails 5 times in a row
+//! within seconds of starting. The current process ids are kept in
+//! `<run_dir>/up.json` (`{"supervisor": pid, "replicas": {"rollout-0": pid, ...}}`).
+//!
+//! `down` sends SIGTERM to the supervisor recorded there, which forwards it to every
+//! replica (each finishes its in-flight message, commits and exits) and waits for them.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+use streamrl_runtime::runner::Shutdown;
+use streamrl_runtime::topology::Topology;
+
+/// Restarting a replica waits this long at first, doubling per quick failure.
+const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+/// The longest wait before a restart.
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+/// A replica that ran this long before dying is restarted at the first backoff again.
+const HEALTHY_AFTER: Duration = Duration::from_secs(30);
+/// Consecutive quick failures of one replica after which `up` gives up.
+const MAX_QUICK_FAILURES: u32 = 5;
+/// A failure within this long of starting counts as quick.
+const QUICK: Duration = Duration::from_secs(5);
+
+/// What `up.json` records.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct UpState {
+    /// The supervisor's process id.
+    pub supervisor: u32,
+    /// Each replica's current process id (`stage-replica` → pid), while it runs.
+    pub replicas: BTreeMap<String, u32>,
+    /// Restarts so far, per replica.
+    pub restarts: BTreeMap<String, u32>,
+}
+
+/// Where `up` records its processes.
+pub fn state_path(run_dir: &Path) -> PathBuf {
+    run_dir.join("up.json")
+}
+
+struct Replica {
+    stage: String,
+    replica: u32,
+    child: Option<Child>,
+    started: Instant,
+    restart_at: Option<Instant>,
+    backoff: Duration,
+    quick_failures: u32,
+    starts: u32,
+    finished: bool,
+}
+
+impl Replica {
+    fn instance(&self) -> String {
+        format!("{}-{}", self.stage, self.replica)
+    }
+}
+
+/// Runs every replica of `t` as its own process until the run ends (or a signal).
+pub async fn up(t: &Topology, topology: &Path, bus_url: &str) -> Result<()> {
+    if bus_url.starts_with("memory://") {
+        bail!(
+            "`streamrl up` runs each stage as its own process, which needs a bus they share: pass \
+             --bus kafka://HOST:PORT (or use `streamrl run` for the in-process memory bus)"
+        );
+    }
+    let bus = streamrl_runtime::bus::connect(bus_url).await?;
+    streamrl_runtime::running::create_topics(&bus, t).await?;
+    drop(bus);
+    let logs = t.run_dir.join("logs");
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    let exe = std::env::current_exe().context("locating the streamrl binary")?;
+    let shutdown = Shutdown::new();
+    shutdown.on_signals();
+    let mut replicas: Vec<Replica> = t
+        .stages
+        .iter()
+        .flat_map(|(name, d)| {
+            (0..d.replicas).map(move |r| Replica {
+                stage: name.clone(),
+                replica: r,
+                child: None,
+                started: Instant::now(),
+                restart_at: Some(Instant::now()),
+                backoff: FIRST_BACKOFF,
+                quick_failures: 0,
+                starts: 0,
+                finished: false,
+            })
+        })
+        .collect();
+    let spawn = |r: &Replica| -> Result<Child> {
+        let log = logs.join(format!("{}.log", r.instance()));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .with_context(|| format!("opening {}", log.display()))?;
+        let err = file.try_clone()?;
+        Command::new(&exe)
+            .arg("stage")
+            .arg(&r.stage)
+            .arg("--replica")
+            .arg(r.replica.to_string())
+            .arg("--bus")
+            .arg(bus_url)
+            .arg("--topology")
+            .arg(topology)
+            .stdin(Stdio::null())
+            .stdout(file)
+            .stderr(err)
+            .spawn()
+            .with_context(|| format!("starting {}", r.instance()))
+    };
+    eprintln!(
+        "up: {} replica(s) of {} stage(s) on {bus_url}; logs in {}",
+        replicas.len(),
+        t.stages.len(),
+        logs.display()
+    );
+    let mut failure: Option<String> = None;
+    loop {
+        if shutdown.is_triggered() {
+            break;
+        }
+        let mut changed = false;
+        for r in replicas.iter_mut() {
+            if let Some(child) = r.child.as_mut()
+                && let Some(status) = child.try_wait()?
+            {
+                r.child = None;
+                changed = true;
+                let ran = r.started.elapsed();
+                if status.success() {
+                    r.finished = true;
+                    eprintln!("up: {} finished (the run ended)", r.instance());
+                    continue;
+                }
+                if ran >= HEALTHY_AFTER {
+                    r.backoff = FIRST_BACKOFF;
+                }
+                r.quick_failures = if ran < QUICK { r.quick_failures + 1 } else { 0 };
+                let cause = describe(status);
+                if r.quick_failures >= MAX_QUICK_FAILURES {
+                    failure = Some(format!(
+                        "{} failed {MAX_QUICK_FAILURES} times in a row within {QUICK:?} of starting (last: {cause}); see {}",
+                        r.instance(),
+                        logs.join(format!("{}.log", r.instance())).display()
+                    ));
+                    break;
+                }
+                eprintln!(
+                    "up: {} {cause} after {:.1} s; restarting in {:?}",
+                    r.instance(),
+                    ran.as_secs_f64(),
+                    r.backoff
+                );
+                r.restart_at = Some(Instant::now() + r.backoff);
+                r.backoff = (r.backoff * 2).min(MAX_BACKOFF);
+            }
+            if r.child.is_none()
+                && !r.finished
+                && let Some(at) = r.restart_at
+                && Instant::now() >= at
+            {
+                r.child = Some(spawn(r)?);
+                r.starts += 1;
+                r.started = Instant::now();
+                r.restart_at = None;
+                changed = true;
+            }
+        }
+        if failure.is_some() {
+            break;
+        }
+        if changed {
+            write_state(&t.run_dir, &replicas)?;
+        }
+        if replicas.iter().all(|r| r.finished) {
+            eprintln!("up: every replica finished: the run is over");
+            let _ = std::fs::remove_file(state_path(&t.run_dir));
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A signal (or `down`), or a replica that keeps failing: stop the rest gracefully.
+    stop_all(&mut replicas).await;
+    let _ = std::fs::remove_file(state_path(&t.run_dir));
+    match failure {
+        Some(f) => bail!("up: {f}"),
+        None => {
+            eprintln!("up: stopped");
+            Ok(())
+        }
+    }
+}
+
+/// SIGTERM to every running replica, then waits (SIGKILL after 60 s).
+async fn stop_all(replicas: &mut [Replica]) {
+    for r in replicas.iter() {
+        if let Some(c) = &r.child {
+            signal(c.id(), libc::SIGTERM);
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut running = 0;
+        for r in replicas.iter_mut() {
+            if let Some(c) = r.child.as_mut() {
+                match c.try_wait() {
+                    Ok(Some(_)) | Err(_) => r.child = None,
+                    Ok(None) if Instant::now() > deadline => {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                        r.child = None;
+                    }
+                    Ok(None) => running += 1,
+                }
+            }
+        }
+        if running == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn write_state(run_dir: &Path, replicas: &[Replica]) -> Result<()> {
+    let state = UpState {
+        supervisor: std::process::id(),
+        replicas: replicas
+            .iter()
+            .filter_map(|r| r.child.as_ref().map(|c| (r.instance(), c.id())))
+            .collect(),
+        restarts: replicas
+            .iter()
+            .map(|r| (r.instance(), r.starts.saturating_sub(1)))
+            .collect(),
+    };
+    let path = state_path(run_dir);
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&state)?).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+fn describe(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exited with status {c}"),
+        (None, Some(s)) => format!("was killed by signal {s}"),
+        _ => format!("ended ({status})"),
+    }
+}
+
+fn signal(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill(2) with a pid of a child this process started and has not reaped (so the
+    // pid cannot have been reused); no memory is shared.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::kill(pid as libc::pid_t, sig);
+    }
+}
+
+/// Stops the `up` of `run_dir`: SIGTERM to its supervisor, then waits until it is gone.
+pub async fn down(run_dir: &Path) -> Result<()> {
+    let path = state_path(run_dir);
+    let text = std::fs::read_to_string(&path).with_context(|| {
+        format!(
+            "no `streamrl up` is running for {} ({} is missing)",
+            run_dir.display(),
+            path.display()
+        )
+    })?;
+    let state: UpState = serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
+    let alive = |pid: u32| Path::new(&format!("/proc/{pid}")).exists();
+    if !alive(state.supervisor) {
+        let _ = std::fs::remove_file(&path);
+        bail!(
+            "the supervisor recorded in {} (pid {}) is not running",
+            path.display(),
+            state.supervisor
+        );
+    }
+    signal(state.supervisor, libc::SIGTERM);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while alive(state.supervisor) {
+        if Instant::now() > deadline {
+            bail!("the supervisor (pid {}) did not stop within 90 s", state.supervisor);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("down: stopped {} replica(s)", state.replicas.len());
+    Ok(())
+}
