@@ -328,8 +328,10 @@ async fn dispatch(cli: Cli) -> Result<()> {
                     decl.replicas
                 );
             }
+            tracing::info!(stage = %name, replica, "starting");
             let bus = bus::connect(&t.bus).await?;
             running::create_topics(&bus, &t).await?;
+            tracing::info!(stage = %name, replica, "topics ready");
             let shutdown = Shutdown::new();
             shutdown.on_signals();
             let metrics = Arc::new(StageMetrics::default());

@@ -6,10 +6,10 @@
 //! output is missing, then starts one process per replica, each logging to
 //! `<run_dir>/logs/<stage>-<replica>.log`. A process that exits with status 0 has seen the
 //! end of the run and is not restarted; one that dies otherwise (a crash, a kill, a broker
-//! it could not reach) is restarted after a backoff (0.5 s doubling to 10 s, reset once it
+//! it could not reach) is restarted after a backoff (0.2 s doubling to 10 s, reset once it
 //! has run for 30 s), with the cause logged. `up` exits 0 once every replica has ended
-//! with the run, and gives up (stopping the others) when one replica fails 5 times in a row
-//! within seconds of starting. The current process ids are kept in
+//! with the run, and gives up (stopping the others) when one replica fails by itself 5
+//! times in a row within seconds of starting (SIGKILLs from outside are always restarted). The current process ids are kept in
 //! `<run_dir>/up.json` (`{"supervisor": pid, "replicas": {"rollout-0": pid, ...}}`).
 //!
 //! `down` sends SIGTERM to the supervisor recorded there, which forwards it to every
@@ -26,7 +26,7 @@ use streamrl_runtime::runner::Shutdown;
 use streamrl_runtime::topology::Topology;
 
 /// Restarting a replica waits this long at first, doubling per quick failure.
-const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+const FIRST_BACKOFF: Duration = Duration::from_millis(200);
 /// The longest wait before a restart.
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// A replica that ran this long before dying is restarted at the first backoff again.
@@ -153,7 +153,16 @@ pub async fn up(t: &Topology, topology: &Path, bus_url: &str) -> Result<()> {
                 if ran >= HEALTHY_AFTER {
                     r.backoff = FIRST_BACKOFF;
                 }
-                r.quick_failures = if ran < QUICK { r.quick_failures + 1 } else { 0 };
+                // Only a process that fails by itself, soon after starting, counts towards
+                // giving up (a configuration or environment problem a restart will not fix);
+                // one killed from outside (SIGKILL: an operator, the OOM killer) always
+                // comes back.
+                let killed = std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL);
+                r.quick_failures = if ran < QUICK && !killed {
+                    r.quick_failures + 1
+                } else {
+                    0
+                };
                 let cause = describe(status);
                 if r.quick_failures >= MAX_QUICK_FAILURES {
                     failure = Some(format!(

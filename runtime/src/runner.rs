@@ -215,7 +215,7 @@ pub async fn run_stage(
     let mut consumer = if names.is_empty() {
         None
     } else {
-        Some(bus.subscribe(&cfg.stage, &names).await?)
+        Some(bus.subscribe_as(&cfg.stage, &instance, &names).await?)
     };
     // (reader, whether its messages go to the stage): broadcast inputs, then the control
     // topic when it is not one of them (its data is not the stage's business).
@@ -274,6 +274,7 @@ pub async fn run_stage(
     runner.deliver(&mut out).await?;
     acks.settle(consumer.as_mut(), &mut stage, None, out.take_flags())?;
 
+    tracing::info!(stage = %runner.instance, "running");
     let mut tick = stage.tick_interval().map(|d| {
         let mut i = tokio::time::interval(d);
         i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

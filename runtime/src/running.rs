@@ -24,11 +24,23 @@ pub struct Replica {
     pub stage: Box<dyn Stage>,
 }
 
-/// Creates every topic of `t` with its declared partition count (existing topics are kept
-/// when their partition count matches; a mismatch is an error that says how to fix it).
+/// Creates every topic of `t` with its declared partition count, before any client could
+/// auto-create one with a broker default. Existing topics are kept when their partition
+/// count matches; a mismatch is an error that says how to fix it.
 pub async fn create_topics(bus: &Arc<dyn Bus>, t: &Topology) -> Result<()> {
+    let existing = bus.topic_partitions().await?;
     for spec in t.topic_specs() {
-        bus.create_topic(&spec).await?;
+        match existing.get(&spec.name) {
+            None => bus.create_topic(&spec).await?,
+            Some(&n) if n != spec.partitions => {
+                return Err(crate::Error::PartitionMismatch {
+                    topic: spec.name.clone(),
+                    existing: n,
+                    wanted: spec.partitions,
+                });
+            }
+            Some(_) => {}
+        }
     }
     Ok(())
 }

@@ -72,6 +72,8 @@ pub const ADVANTAGE: &str = "advantage";
 /// What the trainer did with a sample (`trained`, `filtered`, `stale`, `duplicate`,
 /// `superseded`), on the `trained` lineage topic.
 pub const OUTCOME: &str = "outcome";
+/// On `trained`: the `created_at` of the `samples` row (which copy of a sample id).
+pub const SAMPLE_CREATED_AT: &str = "sample_created_at";
 /// Policy version number.
 pub const VERSION: &str = "version";
 /// Checkpoint URI.

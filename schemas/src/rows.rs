@@ -346,6 +346,10 @@ pub struct TrainedRow {
     pub sample_id: String,
     /// What happened to it (see [`Outcome`]).
     pub outcome: String,
+    /// The `created_at` of the `samples` row consumed: after a crash upstream, `samples`
+    /// may hold regenerated copies of one sample id, and (`sample_id`,
+    /// `sample_created_at`) names the copy this row is about.
+    pub sample_created_at: i64,
     /// Creation time, ms since epoch.
     pub created_at: i64,
 }
@@ -701,6 +705,7 @@ pub(crate) mod tests {
             group_id: "run-g0000001".into(),
             sample_id: "run-g0000001-s3".into(),
             outcome: Outcome::Stale.name().into(),
+            sample_created_at: 1,
             created_at: 2,
         }]);
         round_trip(vec![MetricRow {

@@ -153,6 +153,7 @@ impl SchemaId {
                 utf8(f::GROUP_ID),
                 utf8(f::SAMPLE_ID),
                 utf8(f::OUTCOME),
+                timestamp(f::SAMPLE_CREATED_AT),
             ],
             SchemaId::Metrics => vec![
                 utf8(f::RUN_ID),

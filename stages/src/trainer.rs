@@ -122,6 +122,8 @@ struct TrainerState {
     version: u64,
     /// Sample ids consumed, by admitted step, for the steps inside the dedup window.
     consumed_by_step: BTreeMap<u64, Vec<String>>,
+    /// The lineage rows of this version (emitted again if it is published after a restart).
+    lineage: Vec<TrainedRow>,
 }
 
 /// The trainer stage.
@@ -141,6 +143,8 @@ pub struct TrainerStage {
     published: Option<u64>,
     /// A version emitted on `policy` whose delivery is not yet recorded.
     publishing: Option<u64>,
+    /// The lineage rows of the newest checkpoint.
+    last_lineage: Vec<TrainedRow>,
     /// Groups waiting, by admitted step, then group id.
     buffer: BTreeMap<u64, BTreeMap<String, Vec<SampleRow>>>,
     /// Since when groups of a later step have been waiting on an incomplete current step.
@@ -223,6 +227,7 @@ impl TrainerStage {
             trained_topic: ctx.output(SchemaId::Trained),
             published,
             publishing: None,
+            last_lineage: state.lineage,
             version: state.version,
             current,
             cfg,
@@ -266,19 +271,14 @@ impl TrainerStage {
         self.version.saturating_sub(self.cfg.dedup_window)
     }
 
-    /// Emits lineage rows for `version` (when a `trained` topic is configured).
-    fn lineage<'a>(
+    /// Lineage rows for `version`.
+    fn lineage_rows<'a>(
         &self,
-        out: &mut Emitter,
         version: u64,
         rows: impl IntoIterator<Item = (&'a SampleRow, Outcome)>,
-    ) -> Result<(), StageError> {
-        let Some(topic) = &self.trained_topic else {
-            return Ok(());
-        };
+    ) -> Vec<TrainedRow> {
         let now = now_ms();
-        let rows: Vec<TrainedRow> = rows
-            .into_iter()
+        rows.into_iter()
             .map(|(s, o)| TrainedRow {
                 run_id: self.ctx.run_id.clone(),
                 version: version as u32,
@@ -286,13 +286,20 @@ impl TrainerStage {
                 group_id: s.group_id.clone(),
                 sample_id: s.sample_id.clone(),
                 outcome: o.name().into(),
+                sample_created_at: s.created_at,
                 created_at: now,
             })
-            .collect();
-        if !rows.is_empty() {
+            .collect()
+    }
+
+    /// Emits lineage rows (when a `trained` topic is configured).
+    fn emit_lineage(&self, out: &mut Emitter, rows: &[TrainedRow]) -> Result<(), StageError> {
+        if let Some(topic) = &self.trained_topic
+            && !rows.is_empty()
+        {
             out.emit(
                 topic.clone(),
-                TrainedRow::to_batch(&rows).map_err(|e| StageError::internal(e.to_string()))?,
+                TrainedRow::to_batch(rows).map_err(|e| StageError::internal(e.to_string()))?,
             );
         }
         Ok(())
@@ -366,6 +373,7 @@ impl TrainerStage {
         for s in &all {
             self.consumed.entry(s.step).or_default().insert(s.sample_id.clone());
         }
+        self.last_lineage = self.lineage_rows(self.version, outcomes);
         let watermark = self.watermark();
         self.consumed = self.consumed.split_off(&watermark);
         let dir = self.store.join(format!("step-{:06}", self.version));
@@ -379,7 +387,7 @@ impl TrainerStage {
             sha256: sha,
             created_at: now_ms(),
         };
-        self.lineage(out, self.version, outcomes)?;
+        self.emit_lineage(out, &self.last_lineage)?;
         self.publish(out)?;
         self.retain();
         let n = all.len().max(1) as f64;
@@ -485,6 +493,7 @@ impl TrainerStage {
                     (*k, ids)
                 })
                 .collect(),
+            lineage: self.last_lineage.clone(),
         };
         let tmp = dir.join("trainer_state.json.tmp");
         std::fs::write(&tmp, serde_json::to_vec(&state).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
@@ -525,7 +534,13 @@ impl Stage for TrainerStage {
     async fn start(&mut self, out: &mut Emitter) -> Result<(), StageError> {
         // Announce the version serving now (a resumed trainer's newest checkpoint), unless a
         // durable bus already has it.
-        if !self.ctx.durable_bus || self.published.is_none_or(|p| p < self.version) {
+        let unpublished = self.published.is_none_or(|p| p < self.version);
+        if unpublished {
+            // Killed between saving this version and recording its delivery: its lineage
+            // may not have gone out either.
+            self.emit_lineage(out, &self.last_lineage)?;
+        }
+        if unpublished || !self.ctx.durable_bus {
             self.publish(out)?;
         } else if self.done() {
             out.signal(self.policy_topic.clone(), Signal::EndOfRun);
@@ -582,7 +597,8 @@ impl Stage for TrainerStage {
         if let Some(g) = kept {
             out.hold_as(g);
         }
-        self.lineage(out, self.version + 1, dropped.iter().map(|(s, o)| (s, *o)))?;
+        let rows = self.lineage_rows(self.version + 1, dropped.iter().map(|(s, o)| (s, *o)));
+        self.emit_lineage(out, &rows)?;
         if self.waiting_since.is_none() && self.buffer.range(self.version + 1..).next().is_some() {
             self.waiting_since = Some(std::time::Instant::now());
         }

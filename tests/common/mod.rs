@@ -70,6 +70,47 @@ fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// A broker of its own (tansu, memory engine) on a free 127.0.0.1 port, stopped when
+/// dropped: for tests that must not share topics or consumer groups with others.
+pub struct Broker {
+    child: std::process::Child,
+    /// `kafka://127.0.0.1:PORT`.
+    pub url: String,
+}
+
+impl Broker {
+    /// Starts one and waits until it listens.
+    pub fn start() -> Broker {
+        let bin = tansu_binary();
+        let port = free_port();
+        let addr = format!("tcp://127.0.0.1:{port}");
+        let child = Command::new(bin)
+            .args(["broker", "--listener-url", &addr, "--advertised-listener-url", &addr])
+            .args(["--storage-engine", "memory://tansu/"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting tansu");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "tansu did not listen on 127.0.0.1:{port}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Broker {
+            child,
+            url: format!("kafka://127.0.0.1:{port}"),
+        }
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// A broker on 127.0.0.1 for this test process, started once; a watchdog shell kills it
 /// when the test process exits.
 pub fn kafka_url() -> String {

@@ -234,6 +234,82 @@ pub async fn rebalance_join_and_leave(b: &dyn Backend) {
     bw.handle.await.unwrap();
 }
 
+/// A partition moves to another member and comes back: its unacknowledged records are
+/// delivered again, and acknowledging the deliveries from before the move must not
+/// commit past a redelivered record that has not been acknowledged (the archive once lost
+/// a record that way).
+pub async fn stale_ack_after_rebalance(b: &dyn Backend) {
+    let bus = open(&b.url()).await;
+    let topic = unique("stale-ack");
+    let group = unique("g");
+    bus.create_topic(&TopicSpec::new(&topic, 2)).await.unwrap();
+    // Four records on each partition.
+    let keys: Vec<String> = [0u32, 1]
+        .iter()
+        .map(|&p| {
+            (0..)
+                .map(|i| format!("k{i}"))
+                .find(|k| partition_for_key(k.as_bytes(), 2) == p)
+                .unwrap()
+        })
+        .collect();
+    produce(
+        &bus,
+        &topic,
+        (0..8).map(|i| seq_record(&keys[(i % 2) as usize], i)).collect(),
+    )
+    .await;
+    let mut a = bus.subscribe(&group, std::slice::from_ref(&topic)).await.unwrap();
+    let first = take(&mut a, 8, false, b.patience()).await;
+    // B joins; both keep polling (nothing acknowledged) until each holds one partition.
+    let mut bm = bus.subscribe(&group, std::slice::from_ref(&topic)).await.unwrap();
+    let deadline = tokio::time::Instant::now() + b.patience() * 3;
+    while a.assignment().len() != 1 || bm.assignment().len() != 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no rebalance: A {:?}, B {:?}",
+            a.assignment(),
+            bm.assignment()
+        );
+        let _ = tokio::time::timeout(Duration::from_millis(100), a.recv()).await;
+        let _ = tokio::time::timeout(Duration::from_millis(100), bm.recv()).await;
+    }
+    let moved = bm.assignment()[0].1;
+    // A polls once more, so that it has acted on losing the partition.
+    let _ = tokio::time::timeout(Duration::from_millis(200), a.recv()).await;
+    // B leaves without acknowledging: the partition comes back to A with its 4 records.
+    bm.close().await.unwrap();
+    let mut again = Vec::new();
+    let deadline = tokio::time::Instant::now() + b.patience() * 3;
+    while again.len() < 4 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the moved partition's records were not delivered again ({} of 4)",
+            again.len()
+        );
+        if let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(200), a.recv()).await
+            && m.partition == moved
+        {
+            again.push(m);
+        }
+    }
+    // A acknowledges every delivery from before the move, and of the redelivered copies
+    // only the first.
+    for m in first.iter().filter(|m| m.partition == moved) {
+        a.ack(&m.id()).unwrap();
+    }
+    a.ack(&again[0].id()).unwrap();
+    a.commit().await.unwrap();
+    let stats = bus.topic_stats(&topic, std::slice::from_ref(&group)).await.unwrap();
+    let committed = stats[moved as usize].committed[0].1.unwrap_or(0);
+    assert_eq!(
+        committed,
+        again[0].offset + 1,
+        "acknowledgements of deliveries from before the rebalance committed past redelivered, unprocessed records"
+    );
+    a.close().await.unwrap();
+}
+
 pub async fn redelivery_after_crash(b: &dyn Backend) {
     let bus = open(&b.url()).await;
     let topic = unique("crash");
@@ -603,7 +679,8 @@ macro_rules! conformance_suite {
     ($backend:expr) => {
         $crate::conformance_suite!(@cases $backend;
             order_within_key, spread_over_partitions, rebalance_join_and_leave, redelivery_after_crash,
-            resume_after_restart, backpressure, broadcast, large_messages_and_headers, dead_letter);
+            resume_after_restart, backpressure, broadcast, large_messages_and_headers, dead_letter,
+            stale_ack_after_rebalance);
     };
     (@cases $backend:expr; $($case:ident),*) => {
         $(

@@ -8,16 +8,25 @@
 //!   unacknowledged offset; stored offsets are auto-committed every second, committed
 //!   synchronously when partitions are revoked, and on [`Consumer::close`].
 //! * Broadcast readers assign every partition manually from its newest record (no group).
+//! * Cooperative rebalancing (`cooperative-sticky`): when a replica dies or joins, only
+//!   the partitions that move are revoked; the others keep consuming. Acknowledgement
+//!   trackers are per partition and per assignment epoch, so a kept partition keeps its
+//!   position and a moved one starts afresh.
 //! * Consumers never auto-create topics (`allow.auto.create.topics=false`): topics are
 //!   created with the topology's partition counts before any stage starts.
-//! * Static membership: a consumer of a stage replica joins with `group.instance.id =
-//!   <group>-<replica>`, so a replica restarted within the session timeout takes its
-//!   partitions back without a rebalance of the whole group.
+//! * Static membership (`static_membership=true`): a stage replica joins with
+//!   `group.instance.id = <stage>-<replica>`, so a replica restarted within the session
+//!   timeout takes its partitions back without a rebalance of the others. Off by default:
+//!   tansu 0.6 lets a restarted static member wait ~20 s for its assignment, where a
+//!   dynamic member with a short session timeout is consuming again in ~3 s.
+//! * A SIGKILLed member's partitions move after `session_timeout_ms` (default 6000, the
+//!   lowest Apache Kafka accepts by default; tansu accepts less, e.g. 3000).
 //! * Broker outages do not end a consumer: transient errors (all brokers down, transport
 //!   failures) are logged and retried with backoff; only fatal errors are returned.
 //!
 //! URL parameters: `queue_kbytes` (producer in-flight bound, default 65536),
-//! `session_timeout_ms` (default 10000), `max_message_bytes` (default 16 MiB).
+//! `session_timeout_ms` (default 6000), `max_message_bytes` (default 16 MiB),
+//! `static_membership` (default false).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,6 +67,7 @@ struct Options {
     queue_kbytes: u64,
     session_timeout_ms: u64,
     max_message_bytes: usize,
+    static_membership: bool,
 }
 
 /// A Kafka cluster.
@@ -89,8 +99,9 @@ impl KafkaBus {
         let mut opts = Options {
             brokers,
             queue_kbytes: 65536,
-            session_timeout_ms: 10_000,
+            session_timeout_ms: 6_000,
             max_message_bytes: 16 << 20,
+            static_membership: false,
         };
         for (k, v) in params {
             let num = |v: &str| -> Result<u64> {
@@ -103,11 +114,17 @@ impl KafkaBus {
                 "queue_kbytes" => opts.queue_kbytes = num(&v)?,
                 "session_timeout_ms" => opts.session_timeout_ms = num(&v)?,
                 "max_message_bytes" => opts.max_message_bytes = num(&v)? as usize,
+                "static_membership" => {
+                    opts.static_membership = v.parse().map_err(|_| Error::InvalidUrl {
+                        url: url.into(),
+                        reason: format!("`static_membership={v}` is not true or false"),
+                    })?
+                }
                 other => {
                     return Err(Error::InvalidUrl {
                         url: url.into(),
                         reason: format!(
-                            "unknown parameter `{other}` (known: queue_kbytes, session_timeout_ms, max_message_bytes)"
+                            "unknown parameter `{other}` (known: queue_kbytes, session_timeout_ms, max_message_bytes, static_membership)"
                         ),
                     });
                 }
@@ -147,6 +164,9 @@ impl KafkaBus {
             .set("enable.auto.offset.store", "false")
             .set("auto.offset.reset", "earliest")
             .set("allow.auto.create.topics", "false")
+            // Incremental rebalances: members keep their partitions (and positions) while
+            // another joins or dies; only the partitions that move are revoked.
+            .set("partition.assignment.strategy", "cooperative-sticky")
             .set("session.timeout.ms", self.opts.session_timeout_ms.to_string())
             .set(
                 "heartbeat.interval.ms",
@@ -287,23 +307,11 @@ impl Bus for KafkaBus {
     }
 
     async fn subscribe(&self, group: &str, topics: &[String]) -> Result<Box<dyn Consumer>> {
-        let shared = Arc::new(Mutex::new(Assignment::default()));
-        let ctx = RebalanceContext { shared: shared.clone() };
-        let consumer: StreamConsumer<RebalanceContext> = self
-            .consumer_config(group)
-            .create_with_context(ctx)
-            .map_err(kerr("creating consumer"))?;
-        let names: Vec<&str> = topics.iter().map(String::as_str).collect();
-        for t in &names {
-            self.partition_count(t).await?;
-        }
-        consumer.subscribe(&names).map_err(kerr("subscribing"))?;
-        Ok(Box::new(KafkaConsumer {
-            consumer,
-            shared,
-            acks: HashMap::new(),
-            broadcast: false,
-        }))
+        self.join(group, None, topics).await
+    }
+
+    async fn subscribe_as(&self, group: &str, member: &str, topics: &[String]) -> Result<Box<dyn Consumer>> {
+        self.join(group, Some(member), topics).await
     }
 
     async fn broadcast(&self, topic: &str) -> Result<Box<dyn Consumer>> {
@@ -312,7 +320,10 @@ impl Bus for KafkaBus {
         let mut cfg = self.consumer_config(&format!("streamrl-broadcast-{}", uuid::Uuid::new_v4()));
         cfg.set("enable.auto.commit", "false");
         let consumer: StreamConsumer<RebalanceContext> = cfg
-            .create_with_context(RebalanceContext { shared: shared.clone() })
+            .create_with_context(RebalanceContext {
+                shared: shared.clone(),
+                name: format!("broadcast {topic}"),
+            })
             .map_err(kerr("creating consumer"))?;
         let mut tpl = TopicPartitionList::new();
         for p in 0..n {
@@ -332,6 +343,29 @@ impl Bus for KafkaBus {
             acks: HashMap::new(),
             broadcast: true,
         }))
+    }
+
+    async fn topic_partitions(&self) -> Result<std::collections::BTreeMap<String, u32>> {
+        let c = self.base_consumer(None)?;
+        let found = tokio::task::spawn_blocking(move || -> Result<std::collections::BTreeMap<String, u32>> {
+            let md = c.fetch_metadata(None, TIMEOUT).map_err(kerr("fetching metadata"))?;
+            Ok(md
+                .topics()
+                .iter()
+                .filter(|t| !t.name().starts_with("__") && t.error().is_none() && !t.partitions().is_empty())
+                .map(|t| (t.name().to_string(), t.partitions().len() as u32))
+                .collect())
+        })
+        .await
+        .map_err(|e| Error::Kafka {
+            op: "fetching metadata",
+            reason: e.to_string(),
+        })??;
+        self.partitions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(found.iter().map(|(k, v)| (k.clone(), *v)));
+        Ok(found)
     }
 
     async fn topic_stats(&self, topic: &str, groups: &[String]) -> Result<Vec<PartitionStats>> {
@@ -387,6 +421,32 @@ impl Bus for KafkaBus {
 }
 
 impl KafkaBus {
+    /// A group member; with `member`, a static one (`group.instance.id`).
+    async fn join(&self, group: &str, member: Option<&str>, topics: &[String]) -> Result<Box<dyn Consumer>> {
+        let shared = Arc::new(Mutex::new(Assignment::default()));
+        let ctx = RebalanceContext {
+            shared: shared.clone(),
+            name: member.unwrap_or(group).to_string(),
+        };
+        let mut cfg = self.consumer_config(group);
+        if let Some(m) = member.filter(|_| self.opts.static_membership) {
+            cfg.set("group.instance.id", m);
+        }
+        let consumer: StreamConsumer<RebalanceContext> =
+            cfg.create_with_context(ctx).map_err(kerr("creating consumer"))?;
+        let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+        for t in &names {
+            self.partition_count(t).await?;
+        }
+        consumer.subscribe(&names).map_err(kerr("subscribing"))?;
+        Ok(Box::new(KafkaConsumer {
+            consumer,
+            shared,
+            acks: HashMap::new(),
+            broadcast: false,
+        }))
+    }
+
     fn shallow(&self) -> Shallow {
         Shallow {
             partitions: self.partitions.clone(),
@@ -557,12 +617,18 @@ fn is_fatal(e: &KafkaError) -> bool {
 #[derive(Default)]
 struct Assignment {
     owned: HashSet<(String, u32)>,
-    /// Bumped on every rebalance; ack trackers of an older epoch are dropped.
-    epoch: u64,
+    /// Rebalance events seen (revocations and assignments).
+    rebalances: u64,
+    /// Per partition, the rebalance event in which it was last assigned or revoked: its
+    /// epoch. Acknowledgement trackers and deliveries of an older epoch are void; a
+    /// partition kept through a (cooperative) rebalance keeps its epoch.
+    epochs: HashMap<(String, u32), u64>,
 }
 
 struct RebalanceContext {
     shared: Arc<Mutex<Assignment>>,
+    /// Who this consumer is, for logs.
+    name: String,
 }
 
 impl ClientContext for RebalanceContext {}
@@ -576,20 +642,29 @@ impl ConsumerContext for RebalanceContext {
                 Err(e) => tracing::warn!(error = %e, "commit on revoke failed"),
             }
             let mut a = self.shared.lock().unwrap_or_else(|p| p.into_inner());
+            a.rebalances += 1;
+            let n = a.rebalances;
             for e in tpl.elements() {
-                a.owned.remove(&(e.topic().to_string(), e.partition() as u32));
+                let key = (e.topic().to_string(), e.partition() as u32);
+                a.owned.remove(&key);
+                a.epochs.insert(key, n);
             }
-            a.epoch += 1;
         }
     }
 
     fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(tpl) = rebalance {
             let mut a = self.shared.lock().unwrap_or_else(|p| p.into_inner());
+            a.rebalances += 1;
+            let n = a.rebalances;
             for e in tpl.elements() {
-                a.owned.insert((e.topic().to_string(), e.partition() as u32));
+                let key = (e.topic().to_string(), e.partition() as u32);
+                a.owned.insert(key.clone());
+                a.epochs.insert(key, n);
             }
-            a.epoch += 1;
+            let mut owned: Vec<String> = a.owned.iter().map(|(t, p)| format!("{t}/{p}")).collect();
+            owned.sort();
+            tracing::info!(consumer = %self.name, partitions = %owned.join(" "), "assigned");
         }
     }
 }
@@ -602,8 +677,15 @@ struct KafkaConsumer {
 }
 
 impl KafkaConsumer {
-    fn epoch(&self) -> u64 {
-        self.shared.lock().unwrap_or_else(|p| p.into_inner()).epoch
+    /// The current epoch of a partition (see [`Assignment::epochs`]).
+    fn epoch(&self, topic: &str, partition: u32) -> u64 {
+        self.shared
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .epochs
+            .get(&(topic.to_string(), partition))
+            .copied()
+            .unwrap_or(0)
     }
 }
 
@@ -623,7 +705,7 @@ impl Consumer for KafkaConsumer {
                 Err(e) => return Err(kerr("receiving")(e)),
             }
         };
-        let epoch = self.epoch();
+        let epoch = self.epoch(m.topic(), m.partition() as u32);
         let headers = m
             .headers()
             .map(|h| {
@@ -649,7 +731,7 @@ impl Consumer for KafkaConsumer {
                 .entry((msg.topic.clone(), msg.partition))
                 .or_insert_with(|| (epoch, PartitionAcks::at(msg.offset)));
             if entry.0 != epoch {
-                // The partition was revoked and reassigned since: start afresh.
+                // The partition was revoked or reassigned since: start afresh.
                 *entry = (epoch, PartitionAcks::at(msg.offset));
             }
             entry.1.delivered(msg.offset);
@@ -661,7 +743,7 @@ impl Consumer for KafkaConsumer {
         if self.broadcast {
             return Ok(());
         }
-        let epoch = self.epoch();
+        let epoch = self.epoch(&id.topic, id.partition);
         let key = (id.topic.clone(), id.partition);
         let Some((e, acks)) = self.acks.get_mut(&key) else {
             return Ok(());

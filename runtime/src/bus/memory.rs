@@ -196,6 +196,7 @@ impl MemoryBus {
             generation: 0,
             owned: Vec::new(),
             acks: HashMap::new(),
+            gained: HashMap::new(),
             rr: 0,
             broadcast: ephemeral,
             left: false,
@@ -318,6 +319,15 @@ impl Bus for MemoryBus {
         self.join(&group, &[topic.to_string()], true).await
     }
 
+    async fn topic_partitions(&self) -> Result<std::collections::BTreeMap<String, u32>> {
+        let st = lock(&self.inner);
+        Ok(st
+            .topics
+            .iter()
+            .map(|(n, t)| (n.clone(), t.partitions.len() as u32))
+            .collect())
+    }
+
     async fn topic_stats(&self, topic: &str, groups: &[String]) -> Result<Vec<PartitionStats>> {
         let st = lock(&self.inner);
         let t = st
@@ -424,6 +434,10 @@ struct MemoryConsumer {
     generation: u64,
     owned: Vec<(String, u32)>,
     acks: HashMap<(String, u32), PartitionAcks>,
+    /// Per owned partition, the group generation in which this member gained it: the
+    /// epoch of its deliveries. An acknowledgement of an older epoch (a delivery from
+    /// before the partition went away and came back) is ignored.
+    gained: HashMap<(String, u32), u64>,
     rr: usize,
     broadcast: bool,
     left: bool,
@@ -451,15 +465,19 @@ impl MemoryConsumer {
             }
         }
         let mut acks = HashMap::new();
+        let mut gained = HashMap::new();
         for key in &owned {
             let part = &st.topics[&key.0].partitions[key.1 as usize];
             let committed = g.committed.get(key).copied().unwrap_or(part.start);
+            let since = self.gained.get(key).copied().unwrap_or(g.generation);
             let mut a = self.acks.remove(key).unwrap_or_else(|| PartitionAcks::at(committed));
             a.skip_to(committed);
             acks.insert(key.clone(), a);
+            gained.insert(key.clone(), since);
         }
         self.owned = owned;
         self.acks = acks;
+        self.gained = gained;
     }
 
     fn leave(&mut self) {
@@ -524,7 +542,7 @@ impl Consumer for MemoryConsumer {
                         headers: s.headers.clone(),
                         payload: s.payload.clone(),
                         timestamp_ms: s.timestamp_ms,
-                        epoch: self.generation,
+                        epoch: self.gained.get(key).copied().unwrap_or(0),
                     };
                     self.rr = idx + 1;
                     if self.broadcast {
@@ -559,7 +577,8 @@ impl Consumer for MemoryConsumer {
             return Ok(());
         };
         // A partition moved to another member: its new owner will see the record again.
-        if g.owner(&id.topic, id.partition) != Some(self.member) {
+        // Moved away and back since this delivery: only the redelivered copy counts.
+        if g.owner(&id.topic, id.partition) != Some(self.member) || self.gained.get(&key) != Some(&id.epoch) {
             return Ok(());
         }
         let Some(commit) = self.acks.get_mut(&key).and_then(|a| a.ack(id.offset)) else {

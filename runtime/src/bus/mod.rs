@@ -232,6 +232,15 @@ pub trait Bus: Send + Sync + 'static {
     /// group's members and re-spread when members join or leave.
     async fn subscribe(&self, group: &str, topics: &[String]) -> Result<Box<dyn Consumer>>;
 
+    /// Like [`subscribe`](Bus::subscribe), as the named member `member` of the group (a
+    /// stage replica, e.g. `rollout-1`): where the backend supports it (Kafka static
+    /// membership), a member that comes back under the same name within the session
+    /// timeout takes its partitions back without a rebalance of the whole group.
+    async fn subscribe_as(&self, group: &str, member: &str, topics: &[String]) -> Result<Box<dyn Consumer>> {
+        let _ = member;
+        self.subscribe(group, topics).await
+    }
+
     /// A broadcast subscription: sees the newest message of each partition of `topic`
     /// (its current value, e.g. the latest policy version) and every message after it,
     /// whoever else reads it; never older history, so a restarted reader does not replay
@@ -240,6 +249,9 @@ pub trait Bus: Send + Sync + 'static {
 
     /// Per-partition offsets of `topic` and the committed offsets of `groups`.
     async fn topic_stats(&self, topic: &str, groups: &[String]) -> Result<Vec<PartitionStats>>;
+
+    /// Every topic (internal ones aside) with its partition count, in one round trip.
+    async fn topic_partitions(&self) -> Result<std::collections::BTreeMap<String, u32>>;
 
     /// Bytes this bus holds in memory for `topic` that are not yet consumed (memory bus)
     /// or not yet delivered to the broker (Kafka producers of this process).

@@ -1,0 +1,353 @@
+//! Chaos: the whole RL loop as separate processes on a real Kafka-compatible broker
+//! (tansu, started here on 127.0.0.1), supervised by `streamrl up`, while a driver
+//! SIGKILLs random stage processes at random moments; then the run's invariants, checked
+//! with SQL over its archive. A control run without faults comes first, on the same
+//! topology, for the wall-time ratio.
+//!
+//! Invariants: the target step is reached; each version is published once, in order; no
+//! sample is trained twice; every admitted group is trained or dropped with a recorded
+//! reason; every trained sample is in the archive; a source restart re-sends at most what
+//! was in flight; no dead letters.
+//!
+//! The broker is tansu with its memory engine, consumers use a 3 s session timeout (tansu
+//! accepts it; a SIGKILLed member's partitions move after it). `STREAMRL_CHAOS_STEPS`
+//! (default 520), `STREAMRL_CHAOS_KILLS` (minimum kills, default 20),
+//! `STREAMRL_CHAOS_EVERY_MS` (kill interval range, default `3000-9000`) and
+//! `STREAMRL_CHAOS_SEED` tune it.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+/// Groups per step of the chaos topology (of 8 samples each).
+const GROUPS_PER_STEP: u64 = 8;
+/// The source's async level (bounds what is in flight when it dies).
+const MAX_ASYNC_LEVEL: u64 = 2;
+/// The stage kinds, each killed at least twice.
+const KINDS: [&str; 7] = ["source", "rollout", "sandbox", "reward", "mask", "trainer", "archive"];
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn topology(bus: &str, max_steps: u64) -> String {
+    format!(
+        r#"
+bus: {bus}?session_timeout_ms=3000
+run_id: chaos
+run_dir: run
+dead_letter: dead_letter
+envs:
+  arith: {{ weight: 1 }}
+sft: {{ out: run/sft, steps: 20, batch: 32 }}
+topics:
+  prompts:       {{ schema: prompts,       partitions: 2, key: group_id }}
+  rollouts:      {{ schema: rollouts,      partitions: 2, key: group_id }}
+  continuations: {{ schema: continuations, partitions: 2, key: rollout_id, feedback: true }}
+  executed:      {{ schema: executed,      partitions: 2, key: group_id }}
+  scored:        {{ schema: scored,        partitions: 2, key: group_id }}
+  samples:       {{ schema: samples,       partitions: 2, key: group_id }}
+  policy:        {{ schema: policy,        partitions: 1 }}
+  trained:       {{ schema: trained,       partitions: 1 }}
+  metrics:       {{ schema: metrics,       partitions: 1 }}
+  dead_letter:   {{ schema: dead_letter,   partitions: 1 }}
+stages:
+  source:
+    kind: source
+    broadcast: [policy]
+    outputs: [prompts, metrics]
+    config: {{ checkpoint: run/sft, group_size: 8, groups_per_step: {GROUPS_PER_STEP}, max_async_level: {MAX_ASYNC_LEVEL}, max_steps: {max_steps}, max_tokens: 8 }}
+  rollout:
+    kind: rollout
+    inputs: [prompts, continuations]
+    broadcast: [policy]
+    outputs: [rollouts, metrics]
+    replicas: 2
+    config: {{ checkpoint: run/sft, max_inflight_groups: 4 }}
+  sandbox: {{ kind: sandbox, inputs: [rollouts], outputs: [executed, continuations] }}
+  reward: {{ kind: reward, inputs: [executed], outputs: [scored], replicas: 2 }}
+  mask: {{ kind: mask, inputs: [scored], outputs: [samples, metrics], replicas: 2, config: {{ filter_zero_variance: false }} }}
+  trainer:
+    kind: trainer
+    inputs: [samples]
+    outputs: [policy, trained, metrics]
+    config: {{ checkpoint: run/sft, groups_per_step: {GROUPS_PER_STEP}, max_steps: {max_steps}, max_off_policy_steps: 1000, dedup_window: 2000, keep_last: 3, step_timeout_secs: 3600 }}
+  archive: {{ kind: archive, inputs: all, config: {{ flush_rows: 200, flush_seconds: 1 }} }}
+"#
+    )
+}
+
+/// What one run did.
+struct Run {
+    dir: tempfile::TempDir,
+    wall: f64,
+    kills: BTreeMap<&'static str, u32>,
+    up_log: String,
+}
+
+impl Run {
+    fn kills(&self) -> u32 {
+        self.kills.values().sum()
+    }
+}
+
+/// `streamrl up` on a fresh broker, killing a random replica every so often when
+/// `min_kills > 0` (kinds in a shuffled order, each twice, then at random).
+fn run(max_steps: u64, min_kills: u32, rng: &mut StdRng) -> Run {
+    let broker = common::Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("topology.yaml"), topology(&broker.url, max_steps)).unwrap();
+    let (lo, hi) = std::env::var("STREAMRL_CHAOS_EVERY_MS")
+        .ok()
+        .and_then(|v| v.split_once('-').map(|(a, b)| (a.parse().unwrap(), b.parse().unwrap())))
+        .unwrap_or((3000u64, 9000u64));
+    let t0 = Instant::now();
+    let mut up = Command::new(env!("CARGO_BIN_EXE_streamrl"))
+        .arg("up")
+        .current_dir(dir.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut plan: Vec<&'static str> = KINDS.iter().chain(KINDS.iter()).copied().collect();
+    plan.shuffle(rng);
+    let mut kills: BTreeMap<&'static str, u32> = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(900);
+    let mut next_kill = Instant::now() + Duration::from_millis(rng.random_range(lo..=hi) + 5000);
+    let status = loop {
+        if let Some(s) = up.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the run did not finish within 15 minutes");
+        // Kills stop once the last version is out (the archive then drains undisturbed).
+        let ended = std::fs::read_to_string(dir.path().join("run/checkpoints/published"))
+            .is_ok_and(|v| v.trim() == max_steps.to_string());
+        if min_kills > 0 && !ended && Instant::now() >= next_kill {
+            next_kill = Instant::now() + Duration::from_millis(rng.random_range(lo..=hi));
+            let Ok(text) = std::fs::read_to_string(dir.path().join("run/up.json")) else {
+                continue;
+            };
+            let state: serde_json::Value = serde_json::from_str(&text).unwrap();
+            let running: Vec<(String, u64)> = state["replicas"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
+                .collect();
+            let kind_of = |instance: &str| KINDS.iter().copied().find(|k| instance.starts_with(&format!("{k}-")));
+            // The planned kind if one of its replicas runs, else any running replica.
+            let want = plan.last().copied();
+            let candidates: Vec<&(String, u64)> = running
+                .iter()
+                .filter(|(i, _)| want.is_none_or(|w| kind_of(i) == Some(w)))
+                .collect();
+            let pick = if candidates.is_empty() {
+                running.get(rng.random_range(0..running.len().max(1)))
+            } else {
+                Some(candidates[rng.random_range(0..candidates.len())])
+            };
+            let Some((instance, pid)) = pick else { continue };
+            let kind = kind_of(instance).unwrap();
+            let killed = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status()
+                .unwrap()
+                .success();
+            if killed {
+                eprintln!(
+                    "chaos: SIGKILL {instance} (pid {pid}) at {:.1} s",
+                    t0.elapsed().as_secs_f64()
+                );
+                *kills.entry(kind).or_default() += 1;
+                if want == Some(kind) {
+                    plan.pop();
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let wall = t0.elapsed().as_secs_f64();
+    let out = up.wait_with_output().unwrap();
+    let up_log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(status.success(), "streamrl up failed ({status}):\n{up_log}");
+    drop(broker);
+    Run {
+        dir,
+        wall,
+        kills,
+        up_log,
+    }
+}
+
+/// One SQL answer as CSV lines (header dropped).
+fn query(dir: &Path, sql: &str) -> Vec<String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_streamrl"))
+        .args(["query", sql, "--format", "csv"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{sql}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .skip(1)
+        .map(str::to_string)
+        .collect()
+}
+
+fn number(dir: &Path, sql: &str) -> i64 {
+    let v = query(dir, sql);
+    v.first()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{sql}: expected one number, got {v:?}"))
+}
+
+/// (invariant, measured, holds) for a finished run.
+fn invariants(r: &Run, max_steps: u64) -> Vec<(String, String, bool)> {
+    let d = r.dir.path();
+    let mut v = Vec::new();
+    let top = number(d, "SELECT max(version) FROM policy");
+    v.push((
+        format!("target step {max_steps} reached"),
+        format!("max version {top}"),
+        top == max_steps as i64,
+    ));
+    let (n, distinct) = (
+        number(d, "SELECT count(*) FROM policy"),
+        number(d, "SELECT count(DISTINCT version) FROM policy"),
+    );
+    let ordered = query(d, "SELECT version FROM policy ORDER BY created_at, version")
+        .windows(2)
+        .all(|w| w[0].parse::<i64>().unwrap() < w[1].parse::<i64>().unwrap());
+    v.push((
+        "each version published once, in order".into(),
+        format!("{n} messages, {distinct} versions, in order: {ordered}"),
+        n == distinct && distinct == max_steps as i64 + 1 && ordered,
+    ));
+    let twice = number(
+        d,
+        "SELECT count(*) FROM (SELECT sample_id FROM trained WHERE outcome = 'trained' \
+         GROUP BY sample_id HAVING count(DISTINCT version) > 1)",
+    );
+    let trained = number(
+        d,
+        "SELECT count(DISTINCT sample_id) FROM trained WHERE outcome = 'trained'",
+    );
+    v.push((
+        "no sample trained twice".into(),
+        format!("{trained} trained, {twice} twice"),
+        twice == 0 && trained > 0,
+    ));
+    let admitted = number(d, "SELECT count(DISTINCT group_id) FROM prompts");
+    let unaccounted = number(
+        d,
+        "SELECT count(DISTINCT p.group_id) FROM prompts p LEFT JOIN trained t ON t.group_id = p.group_id \
+         WHERE t.group_id IS NULL",
+    );
+    let reasons = query(
+        d,
+        "SELECT outcome, count(*) FROM trained GROUP BY outcome ORDER BY outcome",
+    )
+    .join(" ");
+    v.push((
+        "every admitted group trained or dropped with a reason".into(),
+        format!("{admitted} admitted, {unaccounted} unaccounted; {reasons}"),
+        unaccounted == 0 && admitted == (max_steps * GROUPS_PER_STEP) as i64,
+    ));
+    let missing = number(
+        d,
+        "SELECT count(*) FROM trained t LEFT JOIN samples s \
+         ON s.sample_id = t.sample_id AND s.created_at = t.sample_created_at \
+         WHERE t.outcome = 'trained' AND s.sample_id IS NULL",
+    );
+    v.push((
+        "every trained sample (the very copy) archived".into(),
+        format!("{missing} missing"),
+        missing == 0,
+    ));
+    let resent = number(d, "SELECT count(*) - count(DISTINCT group_id) FROM prompts");
+    let source_kills = r.kills.get("source").copied().unwrap_or(0) as i64;
+    let bound = source_kills * ((MAX_ASYNC_LEVEL + 1) * GROUPS_PER_STEP) as i64;
+    v.push((
+        "groups re-sent after source restarts ≤ in flight".into(),
+        format!("{resent} re-sent, bound {bound} ({source_kills} source kills)"),
+        resent <= bound,
+    ));
+    let dead = if d.join("run/archive/dead_letter").exists() {
+        number(d, "SELECT count(*) FROM dead_letter")
+    } else {
+        0
+    };
+    v.push(("no dead letters".into(), format!("{dead}"), dead == 0));
+    v
+}
+
+fn print_table(title: &str, rows: &[(String, String, bool)]) {
+    eprintln!("\n{title}");
+    eprintln!("{:<56} {:<6} measured", "invariant", "holds");
+    for (name, measured, ok) in rows {
+        eprintln!("{name:<56} {:<6} {measured}", if *ok { "yes" } else { "NO" });
+    }
+}
+
+#[test]
+fn rl_loop_as_processes_survives_random_sigkills() {
+    let max_steps: u64 = env_or("STREAMRL_CHAOS_STEPS", 520);
+    let min_kills: u32 = env_or("STREAMRL_CHAOS_KILLS", 20);
+    let seed: u64 = env_or(
+        "STREAMRL_CHAOS_SEED",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs(),
+    );
+    eprintln!("chaos: seed {seed} (STREAMRL_CHAOS_SEED), {max_steps} steps, at least {min_kills} kills");
+    let mut rng = StdRng::seed_from_u64(seed);
+
+    let control = run(max_steps, 0, &mut rng);
+    let control_rows = invariants(&control, max_steps);
+    print_table(
+        &format!("control run (no faults): {:.1} s", control.wall),
+        &control_rows,
+    );
+
+    let chaos = run(max_steps, min_kills, &mut rng);
+    let chaos_rows = invariants(&chaos, max_steps);
+    let restarts = chaos.up_log.matches("restarting in").count();
+    print_table(
+        &format!(
+            "chaos run: {:.1} s ({:.2}× the control run), {} SIGKILLs {:?}, {restarts} restarts by `up`",
+            chaos.wall,
+            chaos.wall / control.wall,
+            chaos.kills(),
+            chaos.kills
+        ),
+        &chaos_rows,
+    );
+    for (name, measured, ok) in control_rows.iter().chain(&chaos_rows) {
+        assert!(ok, "invariant broken: {name}: {measured}\n{}", chaos.up_log);
+    }
+    assert!(
+        chaos.kills() >= min_kills,
+        "the run ended after {} kills (want {min_kills}): raise STREAMRL_CHAOS_STEPS",
+        chaos.kills()
+    );
+    for k in KINDS {
+        assert!(
+            chaos.kills.get(k).copied().unwrap_or(0) >= 2,
+            "{k} was killed fewer than twice: {:?}",
+            chaos.kills
+        );
+    }
+}
