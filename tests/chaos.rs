@@ -12,7 +12,8 @@
 //! The broker is tansu with its memory engine, consumers use a 3 s session timeout (tansu
 //! accepts it; a SIGKILLed member's partitions move after it). `STREAMRL_CHAOS_STEPS`
 //! (default 520), `STREAMRL_CHAOS_KILLS` (minimum kills, default 20),
-//! `STREAMRL_CHAOS_EVERY_MS` (kill interval range, default `3000-9000`) and
+//! `STREAMRL_CHAOS_EVERY_MS` (kill interval range; default `3000-9000`, shortened when
+//! the control run is too short for the minimum kills to fit at that rate) and
 //! `STREAMRL_CHAOS_SEED` tune it.
 
 mod common;
@@ -26,10 +27,17 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-/// Groups per step of the chaos topology (of 8 samples each).
-const GROUPS_PER_STEP: u64 = 8;
+/// The size of a run.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    max_steps: u64,
+    groups_per_step: u64,
+    group_size: u64,
+}
 /// The source's async level (bounds what is in flight when it dies).
 const MAX_ASYNC_LEVEL: u64 = 2;
+/// The tests of this file run one at a time (each is a whole pipeline on 2 cores).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// The stage kinds, each killed at least twice.
 const KINDS: [&str; 7] = ["source", "rollout", "sandbox", "reward", "mask", "trainer", "archive"];
 
@@ -37,7 +45,12 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-fn topology(bus: &str, max_steps: u64) -> String {
+fn topology(bus: &str, shape: Shape) -> String {
+    let Shape {
+        max_steps,
+        groups_per_step,
+        group_size,
+    } = shape;
     format!(
         r#"
 bus: {bus}?session_timeout_ms=3000
@@ -63,7 +76,7 @@ stages:
     kind: source
     broadcast: [policy]
     outputs: [prompts, metrics]
-    config: {{ checkpoint: run/sft, group_size: 8, groups_per_step: {GROUPS_PER_STEP}, max_async_level: {MAX_ASYNC_LEVEL}, max_steps: {max_steps}, max_tokens: 8 }}
+    config: {{ checkpoint: run/sft, group_size: {group_size}, groups_per_step: {groups_per_step}, max_async_level: {MAX_ASYNC_LEVEL}, max_steps: {max_steps}, max_tokens: 8 }}
   rollout:
     kind: rollout
     inputs: [prompts, continuations]
@@ -78,7 +91,7 @@ stages:
     kind: trainer
     inputs: [samples]
     outputs: [policy, trained, metrics]
-    config: {{ checkpoint: run/sft, groups_per_step: {GROUPS_PER_STEP}, max_steps: {max_steps}, max_off_policy_steps: 1000, dedup_window: 2000, keep_last: 3, step_timeout_secs: 3600 }}
+    config: {{ checkpoint: run/sft, groups_per_step: {groups_per_step}, max_steps: {max_steps}, max_off_policy_steps: 1000, dedup_window: 2000, keep_last: 3, step_timeout_secs: 3600 }}
   archive: {{ kind: archive, inputs: all, config: {{ flush_rows: 200, flush_seconds: 1 }} }}
 "#
     )
@@ -98,16 +111,101 @@ impl Run {
     }
 }
 
-/// `streamrl up` on a fresh broker, killing a random replica every so often when
-/// `min_kills > 0` (kinds in a shuffled order, each twice, then at random).
-fn run(max_steps: u64, min_kills: u32, rng: &mut StdRng) -> Run {
-    let broker = common::Broker::start();
+/// The run as the fault injector sees it, every 50 ms.
+struct Moment<'a> {
+    dir: &'a Path,
+    elapsed: Duration,
+    /// The version the trainer has published (and the bus acknowledged) last.
+    published: Option<u64>,
+}
+
+/// Kills a random replica every so often (kinds in a shuffled order, each twice, then at
+/// random), until the last version is out.
+struct Killer {
+    rng: StdRng,
+    every_ms: (u64, u64),
+    plan: Vec<&'static str>,
+    next: Duration,
+    kills: BTreeMap<&'static str, u32>,
+}
+
+impl Killer {
+    /// Kills every 3–9 s (`STREAMRL_CHAOS_EVERY_MS` overrides), sped up as much as needed
+    /// for `min_kills` (with a margin) to fit in `expected` (the fault-free run's time).
+    fn new(mut rng: StdRng, min_kills: u32, expected: Duration) -> Killer {
+        let every_ms = std::env::var("STREAMRL_CHAOS_EVERY_MS")
+            .ok()
+            .and_then(|v| v.split_once('-').map(|(a, b)| (a.parse().unwrap(), b.parse().unwrap())))
+            .unwrap_or_else(|| {
+                let (lo, hi) = (3000.0, 9000.0);
+                let mean_needed = expected.as_secs_f64() * 1000.0 / (min_kills as f64 * 1.3);
+                let scale = (mean_needed / ((lo + hi) / 2.0)).min(1.0);
+                ((lo * scale) as u64, (hi * scale) as u64)
+            });
+        eprintln!("chaos: a SIGKILL every {}–{} ms", every_ms.0, every_ms.1);
+        let mut plan: Vec<&'static str> = KINDS.iter().chain(KINDS.iter()).copied().collect();
+        plan.shuffle(&mut rng);
+        let first = Duration::from_millis(rng.random_range(every_ms.0..=every_ms.1) + 5000);
+        Killer {
+            rng,
+            every_ms,
+            plan,
+            next: first,
+            kills: BTreeMap::new(),
+        }
+    }
+
+    fn at(&mut self, m: &Moment, max_steps: u64) {
+        if m.published == Some(max_steps) || m.elapsed < self.next {
+            return;
+        }
+        self.next = m.elapsed + Duration::from_millis(self.rng.random_range(self.every_ms.0..=self.every_ms.1));
+        let Ok(text) = std::fs::read_to_string(m.dir.join("run/up.json")) else {
+            return;
+        };
+        let state: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let running: Vec<(String, u64)> = state["replicas"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
+            .collect();
+        let kind_of = |instance: &str| KINDS.iter().copied().find(|k| instance.starts_with(&format!("{k}-")));
+        // The planned kind if one of its replicas runs, else any running replica.
+        let want = self.plan.last().copied();
+        let candidates: Vec<&(String, u64)> = running
+            .iter()
+            .filter(|(i, _)| want.is_none_or(|w| kind_of(i) == Some(w)))
+            .collect();
+        let pick = if candidates.is_empty() {
+            running.get(self.rng.random_range(0..running.len().max(1)))
+        } else {
+            Some(candidates[self.rng.random_range(0..candidates.len())])
+        };
+        let Some((instance, pid)) = pick else { return };
+        let kind = kind_of(instance).unwrap();
+        let killed = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success();
+        if killed {
+            eprintln!(
+                "chaos: SIGKILL {instance} (pid {pid}) at {:.1} s",
+                m.elapsed.as_secs_f64()
+            );
+            *self.kills.entry(kind).or_default() += 1;
+            if want == Some(kind) {
+                self.plan.pop();
+            }
+        }
+    }
+}
+
+/// `streamrl up` of a fresh run on `bus`, calling `faults` every 50 ms until it ends.
+fn run(bus: &str, shape: Shape, mut faults: impl FnMut(&Moment)) -> Run {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("topology.yaml"), topology(&broker.url, max_steps)).unwrap();
-    let (lo, hi) = std::env::var("STREAMRL_CHAOS_EVERY_MS")
-        .ok()
-        .and_then(|v| v.split_once('-').map(|(a, b)| (a.parse().unwrap(), b.parse().unwrap())))
-        .unwrap_or((3000u64, 9000u64));
+    std::fs::write(dir.path().join("topology.yaml"), topology(bus, shape)).unwrap();
     let t0 = Instant::now();
     let mut up = Command::new(env!("CARGO_BIN_EXE_streamrl"))
         .arg("up")
@@ -117,61 +215,20 @@ fn run(max_steps: u64, min_kills: u32, rng: &mut StdRng) -> Run {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut plan: Vec<&'static str> = KINDS.iter().chain(KINDS.iter()).copied().collect();
-    plan.shuffle(rng);
-    let mut kills: BTreeMap<&'static str, u32> = BTreeMap::new();
     let deadline = Instant::now() + Duration::from_secs(900);
-    let mut next_kill = Instant::now() + Duration::from_millis(rng.random_range(lo..=hi) + 5000);
     let status = loop {
         if let Some(s) = up.try_wait().unwrap() {
             break s;
         }
         assert!(Instant::now() < deadline, "the run did not finish within 15 minutes");
-        // Kills stop once the last version is out (the archive then drains undisturbed).
-        let ended = std::fs::read_to_string(dir.path().join("run/checkpoints/published"))
-            .is_ok_and(|v| v.trim() == max_steps.to_string());
-        if min_kills > 0 && !ended && Instant::now() >= next_kill {
-            next_kill = Instant::now() + Duration::from_millis(rng.random_range(lo..=hi));
-            let Ok(text) = std::fs::read_to_string(dir.path().join("run/up.json")) else {
-                continue;
-            };
-            let state: serde_json::Value = serde_json::from_str(&text).unwrap();
-            let running: Vec<(String, u64)> = state["replicas"]
-                .as_object()
-                .unwrap()
-                .iter()
-                .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
-                .collect();
-            let kind_of = |instance: &str| KINDS.iter().copied().find(|k| instance.starts_with(&format!("{k}-")));
-            // The planned kind if one of its replicas runs, else any running replica.
-            let want = plan.last().copied();
-            let candidates: Vec<&(String, u64)> = running
-                .iter()
-                .filter(|(i, _)| want.is_none_or(|w| kind_of(i) == Some(w)))
-                .collect();
-            let pick = if candidates.is_empty() {
-                running.get(rng.random_range(0..running.len().max(1)))
-            } else {
-                Some(candidates[rng.random_range(0..candidates.len())])
-            };
-            let Some((instance, pid)) = pick else { continue };
-            let kind = kind_of(instance).unwrap();
-            let killed = Command::new("kill")
-                .args(["-KILL", &pid.to_string()])
-                .status()
-                .unwrap()
-                .success();
-            if killed {
-                eprintln!(
-                    "chaos: SIGKILL {instance} (pid {pid}) at {:.1} s",
-                    t0.elapsed().as_secs_f64()
-                );
-                *kills.entry(kind).or_default() += 1;
-                if want == Some(kind) {
-                    plan.pop();
-                }
-            }
-        }
+        let published = std::fs::read_to_string(dir.path().join("run/checkpoints/published"))
+            .ok()
+            .and_then(|v| v.trim().parse().ok());
+        faults(&Moment {
+            dir: dir.path(),
+            elapsed: t0.elapsed(),
+            published,
+        });
         std::thread::sleep(Duration::from_millis(50));
     };
     let wall = t0.elapsed().as_secs_f64();
@@ -182,11 +239,10 @@ fn run(max_steps: u64, min_kills: u32, rng: &mut StdRng) -> Run {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(status.success(), "streamrl up failed ({status}):\n{up_log}");
-    drop(broker);
     Run {
         dir,
         wall,
-        kills,
+        kills: BTreeMap::new(),
         up_log,
     }
 }
@@ -214,7 +270,8 @@ fn number(dir: &Path, sql: &str) -> i64 {
 }
 
 /// (invariant, measured, holds) for a finished run.
-fn invariants(r: &Run, max_steps: u64) -> Vec<(String, String, bool)> {
+fn invariants(r: &Run, shape: Shape) -> Vec<(String, String, bool)> {
+    let max_steps = shape.max_steps;
     let d = r.dir.path();
     let mut v = Vec::new();
     let top = number(d, "SELECT max(version) FROM policy");
@@ -263,7 +320,7 @@ fn invariants(r: &Run, max_steps: u64) -> Vec<(String, String, bool)> {
     v.push((
         "every admitted group trained or dropped with a reason".into(),
         format!("{admitted} admitted, {unaccounted} unaccounted; {reasons}"),
-        unaccounted == 0 && admitted == (max_steps * GROUPS_PER_STEP) as i64,
+        unaccounted == 0 && admitted == (max_steps * shape.groups_per_step) as i64,
     ));
     let missing = number(
         d,
@@ -278,7 +335,7 @@ fn invariants(r: &Run, max_steps: u64) -> Vec<(String, String, bool)> {
     ));
     let resent = number(d, "SELECT count(*) - count(DISTINCT group_id) FROM prompts");
     let source_kills = r.kills.get("source").copied().unwrap_or(0) as i64;
-    let bound = source_kills * ((MAX_ASYNC_LEVEL + 1) * GROUPS_PER_STEP) as i64;
+    let bound = source_kills * ((MAX_ASYNC_LEVEL + 1) * shape.groups_per_step) as i64;
     v.push((
         "groups re-sent after source restarts ≤ in flight".into(),
         format!("{resent} re-sent, bound {bound} ({source_kills} source kills)"),
@@ -304,6 +361,11 @@ fn print_table(title: &str, rows: &[(String, String, bool)]) {
 #[test]
 fn rl_loop_as_processes_survives_random_sigkills() {
     let max_steps: u64 = env_or("STREAMRL_CHAOS_STEPS", 520);
+    let shape = Shape {
+        max_steps,
+        groups_per_step: 8,
+        group_size: 8,
+    };
     let min_kills: u32 = env_or("STREAMRL_CHAOS_KILLS", 20);
     let seed: u64 = env_or(
         "STREAMRL_CHAOS_SEED",
@@ -313,17 +375,24 @@ fn rl_loop_as_processes_survives_random_sigkills() {
             .as_secs(),
     );
     eprintln!("chaos: seed {seed} (STREAMRL_CHAOS_SEED), {max_steps} steps, at least {min_kills} kills");
-    let mut rng = StdRng::seed_from_u64(seed);
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let rng = StdRng::seed_from_u64(seed);
 
-    let control = run(max_steps, 0, &mut rng);
-    let control_rows = invariants(&control, max_steps);
+    let broker = common::Broker::start();
+    let control = run(&broker.url, shape, |_| {});
+    drop(broker);
+    let control_rows = invariants(&control, shape);
     print_table(
         &format!("control run (no faults): {:.1} s", control.wall),
         &control_rows,
     );
 
-    let chaos = run(max_steps, min_kills, &mut rng);
-    let chaos_rows = invariants(&chaos, max_steps);
+    let broker = common::Broker::start();
+    let mut killer = Killer::new(rng, min_kills, Duration::from_secs_f64(control.wall));
+    let mut chaos = run(&broker.url, shape, |m| killer.at(m, max_steps));
+    drop(broker);
+    chaos.kills = killer.kills;
+    let chaos_rows = invariants(&chaos, shape);
     let restarts = chaos.up_log.matches("restarting in").count();
     print_table(
         &format!(
@@ -350,4 +419,49 @@ fn rl_loop_as_processes_survives_random_sigkills() {
             chaos.kills
         );
     }
+}
+
+#[test]
+fn rl_loop_as_processes_rides_out_a_broker_restart() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    // A broker whose log survives a restart: tansu's S3 engine on a local S3 server.
+    let s3 = common::S3::start();
+    let mut broker = common::Broker::start_persistent(&s3);
+    let shape = Shape {
+        max_steps: env_or("STREAMRL_RESTART_STEPS", 12),
+        groups_per_step: 2,
+        group_size: 4,
+    };
+    let url = broker.url.clone();
+    let mut restarted_at = None;
+    let r = run(&url, shape, |m| {
+        if restarted_at.is_none() && m.published.is_some_and(|v| v >= shape.max_steps / 3) {
+            eprintln!(
+                "broker restart: SIGKILL at version {:?}, {:.1} s",
+                m.published,
+                m.elapsed.as_secs_f64()
+            );
+            broker.restart(Duration::from_secs(5));
+            restarted_at = m.published;
+        }
+    });
+    assert!(restarted_at.is_some(), "the run ended before the broker was restarted");
+    let rows = invariants(&r, shape);
+    let restarts = r.up_log.matches("restarting in").count();
+    print_table(
+        &format!(
+            "broker restarted (5 s down) at version {}: run {:.1} s, {restarts} stage restarts by `up`",
+            restarted_at.unwrap(),
+            r.wall
+        ),
+        &rows,
+    );
+    for (name, measured, ok) in &rows {
+        assert!(ok, "invariant broken: {name}: {measured}\n{}", r.up_log);
+    }
+    assert_eq!(
+        restarts, 0,
+        "a broker outage pauses stages, it must not kill them:\n{}",
+        r.up_log
+    );
 }

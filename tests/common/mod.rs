@@ -70,23 +70,42 @@ fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// A broker of its own (tansu, memory engine) on a free 127.0.0.1 port, stopped when
-/// dropped: for tests that must not share topics or consumer groups with others.
+/// A broker of its own (tansu) on a free 127.0.0.1 port, stopped when dropped: for tests
+/// that must not share topics or consumer groups with others, or that restart it.
 pub struct Broker {
     child: std::process::Child,
+    port: u16,
+    /// `--storage-engine` and the environment it needs.
+    engine: String,
+    env: Vec<(String, String)>,
     /// `kafka://127.0.0.1:PORT`.
     pub url: String,
 }
 
 impl Broker {
-    /// Starts one and waits until it listens.
+    /// A broker keeping its log in memory (lost when it stops).
     pub fn start() -> Broker {
-        let bin = tansu_binary();
-        let port = free_port();
+        Broker::spawn(free_port(), "memory://tansu/".into(), Vec::new())
+    }
+
+    /// A broker keeping its log in `s3` (bucket `tansu`): it survives a [`restart`](Self::restart).
+    pub fn start_persistent(s3: &S3) -> Broker {
+        let env = vec![
+            ("AWS_ENDPOINT".into(), s3.endpoint.clone()),
+            ("AWS_ALLOW_HTTP".into(), "true".into()),
+            ("AWS_ACCESS_KEY_ID".into(), "streamrl".into()),
+            ("AWS_SECRET_ACCESS_KEY".into(), "streamrl".into()),
+            ("AWS_DEFAULT_REGION".into(), "us-east-1".into()),
+        ];
+        Broker::spawn(free_port(), "s3://tansu/".into(), env)
+    }
+
+    fn spawn(port: u16, engine: String, env: Vec<(String, String)>) -> Broker {
         let addr = format!("tcp://127.0.0.1:{port}");
-        let child = Command::new(bin)
+        let child = Command::new(tansu_binary())
             .args(["broker", "--listener-url", &addr, "--advertised-listener-url", &addr])
-            .args(["--storage-engine", "memory://tansu/"])
+            .args(["--storage-engine", &engine])
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -99,12 +118,72 @@ impl Broker {
         }
         Broker {
             child,
+            port,
+            engine,
+            env,
             url: format!("kafka://127.0.0.1:{port}"),
         }
+    }
+
+    /// SIGKILLs the broker, waits `down`, and starts it again on the same port and storage.
+    pub fn restart(&mut self, down: Duration) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        std::thread::sleep(down);
+        let again = Broker::spawn(self.port, self.engine.clone(), self.env.clone());
+        let old = std::mem::replace(self, again);
+        std::mem::forget(old); // its child is already reaped
     }
 }
 
 impl Drop for Broker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A local S3-compatible server on 127.0.0.1 (moto, from PyPI, installed under the tools
+/// dir when missing) with a bucket `tansu`; stopped when dropped.
+pub struct S3 {
+    child: std::process::Child,
+    /// `http://127.0.0.1:PORT`.
+    pub endpoint: String,
+}
+
+impl S3 {
+    /// Starts one and creates the bucket.
+    pub fn start() -> S3 {
+        let (python, path) = python_with(&["moto[server]==5.2.5"]);
+        let port = free_port();
+        let mut cmd = Command::new(&python);
+        cmd.args(["-m", "moto.server", "-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if let Some(p) = &path {
+            cmd.env("PYTHONPATH", p);
+        }
+        let child = cmd.spawn().expect("starting moto");
+        let endpoint = format!("http://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "moto did not listen on 127.0.0.1:{port}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let s3 = S3 { child, endpoint };
+        run(
+            Command::new(&python).arg("-c").arg(format!(
+                "import urllib.request as u; u.urlopen(u.Request('{}/tansu', method='PUT'))",
+                s3.endpoint
+            )),
+            "creating the S3 bucket",
+        );
+        s3
+    }
+}
+
+impl Drop for S3 {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -176,7 +255,11 @@ pub fn kcat() -> (PathBuf, Option<PathBuf>) {
 /// A python3 that can import pyarrow and duckdb (installed under the tools dir if needed).
 /// `packages` are pip requirements like `pyarrow==26.0.1`; the module is the name part.
 pub fn python_with(packages: &[&str]) -> (PathBuf, Option<PathBuf>) {
-    let modules: Vec<&str> = packages.iter().map(|p| p.split("==").next().unwrap_or(p)).collect();
+    // `moto[server]==5.2.5` imports as `moto`.
+    let modules: Vec<&str> = packages
+        .iter()
+        .map(|p| p.split(['=', '[']).next().unwrap_or(p))
+        .collect();
     let check = |pp: Option<&Path>| {
         let mut c = Command::new("python3");
         c.arg("-c").arg(format!("import {}", modules.join(", ")));
