@@ -111,8 +111,22 @@ pub async fn up(t: &Topology, topology: &Path, bus_url: &str) -> Result<()> {
             .open(&log)
             .with_context(|| format!("opening {}", log.display()))?;
         let err = file.try_clone()?;
-        Command::new(&exe)
-            .arg("stage")
+        let mut cmd = Command::new(&exe);
+        // SAFETY: prctl(2) in the child between fork and exec touches no memory of the
+        // parent and allocates nothing (async-signal-safe).
+        #[allow(unsafe_code)]
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            // A replica must not outlive its supervisor (killed or not): it gets SIGTERM,
+            // finishes its message and commits.
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        cmd.arg("stage")
             .arg(&r.stage)
             .arg("--replica")
             .arg(r.replica.to_string())

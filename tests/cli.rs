@@ -41,12 +41,13 @@ fn validate_reports_all_five_mistakes_with_key_paths() {
 fn the_default_topology_is_valid_and_draws() {
     let (ok, out, err) = streamrl(&["validate"]);
     assert!(ok, "{err}");
-    assert!(out.contains("9 topics, 7 stages"), "{out}");
+    assert!(out.contains("10 topics, 7 stages"), "{out}");
     let (ok, out, _) = streamrl(&["graph"]);
     assert!(ok);
     assert!(out.starts_with("flowchart LR"));
     assert!(out.contains("s_sandbox -. feedback .-> t_continuations"), "{out}");
     assert!(out.contains("t_policy -. broadcast .-> s_rollout"), "{out}");
+    assert!(out.contains("s_trainer --> t_trained"), "lineage topic: {out}");
     let (ok, out, _) = streamrl(&["graph", "--format", "dot"]);
     assert!(ok);
     assert!(out.contains("\"t:samples\" -> \"s:trainer\";"), "{out}");

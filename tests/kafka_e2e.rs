@@ -197,7 +197,12 @@ async fn replay_to_kafka_and_read_it_with_kcat_and_pyarrow() {
 
     // kcat: one line per message with partition, key and the schema header.
     let (kcat, libdir) = common::kcat();
-    let lib = newer_librdkafka().or(libdir).expect("a librdkafka for kcat");
+    // The newer librdkafka first, then the libraries unpacked with kcat (libyajl, ...).
+    let lib = std::env::join_paths(newer_librdkafka().into_iter().chain(libdir))
+        .expect("library paths")
+        .into_string()
+        .expect("UTF-8 library paths");
+    assert!(!lib.is_empty(), "a librdkafka for kcat");
     let brokers = url.trim_start_matches("kafka://");
     let kcat_read = |extra: &[&str], format: &str| {
         let out = Command::new(&kcat)

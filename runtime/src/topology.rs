@@ -775,6 +775,28 @@ stages:
     }
 
     #[test]
+    fn every_replica_learns_the_end_of_the_run_from_the_policy_topic() {
+        let t = Topology::parse(GOOD, &none).unwrap();
+        for (name, r) in [("source", 0), ("rollout", 1), ("sandbox", 0), ("archive", 0)] {
+            let cfg = t.runner_config(name, r).unwrap();
+            assert_eq!(cfg.control.as_deref(), Some("policy"), "{name}");
+            assert_eq!(cfg.drain_on_end.is_some(), name == "archive", "{name}");
+        }
+    }
+
+    #[test]
+    fn a_replicated_source_is_refused() {
+        let yaml = GOOD.replace(
+            "source:  { kind: source, outputs: [prompts], broadcast: [policy] }",
+            "source:  { kind: source, outputs: [prompts], broadcast: [policy], replicas: 2 }",
+        );
+        let errs = Topology::parse(&yaml, &none).unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].path, "stages.source.replicas");
+        assert!(errs[0].message.contains("runs as one replica"), "{}", errs[0]);
+    }
+
+    #[test]
     fn an_undeclared_cycle_is_refused() {
         let yaml = GOOD.replace(", feedback: true", "");
         let errs = Topology::parse(&yaml, &none).unwrap_err();
