@@ -191,6 +191,15 @@ fn load(path: &std::path::Path) -> Result<Topology> {
     Ok(t)
 }
 
+/// [`load`], with the bus URL overridden when one is given.
+fn load_on(path: &std::path::Path, bus: Option<String>) -> Result<Topology> {
+    let mut t = load(path)?;
+    if let Some(b) = bus {
+        t.bus = b;
+    }
+    Ok(t)
+}
+
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     // Training reuses its freed activation buffers instead of faulting them in again.
@@ -283,10 +292,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Run { topology, bus } => {
-            let mut t = load(&topology)?;
-            if let Some(b) = bus {
-                t.bus = b;
-            }
+            let t = load_on(&topology, bus)?;
             let sft = t.sft.clone();
             tokio::task::block_in_place(|| train_cmd::sft_from_topology(&sft, &topology))?;
             let (summary, metrics) = run_all(t, false).await?;
@@ -295,10 +301,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Up { topology, bus } => {
-            let mut t = load(&topology)?;
-            if let Some(b) = bus {
-                t.bus = b;
-            }
+            let t = load_on(&topology, bus)?;
             let sft = t.sft.clone();
             tokio::task::block_in_place(|| train_cmd::sft_from_topology(&sft, &topology))?;
             let url = t.bus.clone();
@@ -311,10 +314,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
             replica,
             topology,
         } => {
-            let mut t = load(&topology)?;
-            if let Some(b) = bus {
-                t.bus = b;
-            }
+            let t = load_on(&topology, bus)?;
             let decl = t.stages.get(&name).with_context(|| {
                 format!(
                     "no stage `{name}` in {} (stages: {})",
