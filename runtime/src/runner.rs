@@ -280,8 +280,10 @@ pub async fn run_stage(
         i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         i
     });
-    // Set once the run has ended in-band, for a draining stage: when it last got a message.
+    // Set once the run has ended in-band, for a draining stage: when it last got a message,
+    // and when the drain began.
     let mut draining_since: Option<tokio::time::Instant> = None;
+    let mut drain_began = tokio::time::Instant::now();
     loop {
         let drained = async {
             match (draining_since, cfg.drain_on_end) {
@@ -293,8 +295,26 @@ pub async fn run_stage(
             biased;
             _ = shutdown.wait() => break,
             _ = drained => {
-                tracing::info!(stage = %runner.instance, "run ended: inputs drained");
-                break;
+                // Quiet for a while: done if the group has also committed everything there
+                // is (a consumer stuck after a broker outage is quiet too).
+                let lag = input_lag(&bus, &cfg).await;
+                if lag == Some(0) {
+                    tracing::info!(stage = %runner.instance, "run ended: inputs drained");
+                    break;
+                }
+                if drain_began.elapsed() > MAX_DRAIN {
+                    return Err(crate::Error::Stage {
+                        stage: runner.instance.clone(),
+                        source: StageError::internal(format!(
+                            "the run ended, but {} input record(s) were still not consumed after {MAX_DRAIN:?} \
+                             (exiting so that a restart reads them)",
+                            lag.map_or("some".to_string(), |l| l.to_string())
+                        )),
+                    });
+                }
+                tracing::info!(stage = %runner.instance, lag = lag.map(|l| l as i64), "run ended: waiting for inputs");
+                draining_since = Some(tokio::time::Instant::now());
+                continue;
             }
             (m, i) = recv_any(&mut broadcasts) => Some((m, Some(i))),
             m = async { match consumer.as_mut() { Some(c) => c.recv().await, None => std::future::pending().await } } => Some((m, None)),
@@ -328,7 +348,10 @@ pub async fn run_stage(
         if ended && draining_since.is_none() {
             tracing::info!(stage = %runner.instance, "end of run signalled");
             match cfg.drain_on_end {
-                Some(_) => draining_since = Some(tokio::time::Instant::now()),
+                Some(_) => {
+                    draining_since = Some(tokio::time::Instant::now());
+                    drain_began = tokio::time::Instant::now();
+                }
                 None => break,
             }
         }
@@ -350,6 +373,22 @@ pub async fn run_stage(
     }
     tracing::info!(stage = %runner.instance, "stopped cleanly");
     Ok(())
+}
+
+/// How long a draining stage waits at the end of the run for its inputs to be consumed
+/// before it gives up (and exits with an error, so that a restarted process reads them).
+const MAX_DRAIN: Duration = Duration::from_secs(60);
+
+/// Records of the stage's inputs its group has not committed yet (`None`: unknown).
+async fn input_lag(bus: &Arc<dyn Bus>, cfg: &RunnerConfig) -> Option<u64> {
+    let group = std::slice::from_ref(&cfg.stage);
+    let mut lag = 0;
+    for t in &cfg.inputs {
+        for p in bus.topic_stats(&t.name, group).await.ok()? {
+            lag += p.lag(&cfg.stage)?;
+        }
+    }
+    Some(lag)
 }
 
 /// Whether a message is the in-band end of the run.
