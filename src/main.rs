@@ -335,7 +335,7 @@ async fn dispatch(cli: Cli) -> Result<()> {
             let shutdown = Shutdown::new();
             shutdown.on_signals();
             let metrics = Arc::new(StageMetrics::default());
-            let stage = stages::build(&t, &name, replica)?;
+            let stage = stages::build(&t, &bus, &name, replica)?;
             let cfg = t.runner_config(&name, replica).expect("stage exists");
             run_stage(bus, cfg, stage, shutdown, metrics.clone()).await?;
             print_metrics(&[(format!("{name}-{replica}"), metrics)]);
@@ -466,7 +466,7 @@ async fn run_all(t: Topology, quiet: bool) -> Result<(progress::Summary, Vec<(St
             let cfg = t.runner_config(name, r).expect("stage exists");
             replicas.push(running::Replica {
                 cfg,
-                stage: stages::build(&t, name, r)?,
+                stage: stages::build(&t, &bus, name, r)?,
             });
         }
     }

@@ -7,6 +7,7 @@ use anyhow::{Result, anyhow};
 use serde_yaml::Value;
 use streamrl_archive::{ArchiveConfig, ArchiveStage};
 use streamrl_runtime::Stage;
+use streamrl_runtime::bus::Bus;
 use streamrl_runtime::topology::{StageKind, Topology};
 use streamrl_stages::mask::{MaskConfig, MaskStage};
 use streamrl_stages::reward::{RewardConfig, RewardStage};
@@ -73,7 +74,7 @@ fn durable_bus(t: &Topology) -> bool {
 }
 
 /// Builds replica `replica` of stage `name` (expensive setup happens here, once).
-pub fn build(t: &Topology, name: &str, replica: u32) -> Result<Box<dyn Stage>> {
+pub fn build(t: &Topology, bus: &Arc<dyn Bus>, name: &str, replica: u32) -> Result<Box<dyn Stage>> {
     let decl = t.stages.get(name).ok_or_else(|| anyhow!("no stage `{name}`"))?;
     let instance = format!("{name}-{replica}");
     let fail = |p: Vec<String>| anyhow!("stages.{name}.config: {}", p.join("; "));
@@ -96,6 +97,7 @@ pub fn build(t: &Topology, name: &str, replica: u32) -> Result<Box<dyn Stage>> {
                 .collect(),
             envs: envs.map(Arc::new),
             durable_bus: durable_bus(t),
+            bus: Some(streamrl_stages::BusHandle(bus.clone())),
         })
     };
     Ok(match decl.kind {

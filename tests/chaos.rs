@@ -306,6 +306,21 @@ fn invariants(r: &Run, shape: Shape) -> Vec<(String, String, bool)> {
         format!("{trained} trained, {twice} twice"),
         twice == 0 && trained > 0,
     ));
+    // Exact lineage: one row per sample a version consumed, whatever was killed when.
+    let rows = number(
+        d,
+        "SELECT count(*) FROM trained WHERE outcome IN ('trained', 'filtered', 'stale')",
+    );
+    let distinct_rows = number(
+        d,
+        "SELECT count(*) FROM (SELECT DISTINCT version, sample_id FROM trained \
+         WHERE outcome IN ('trained', 'filtered', 'stale'))",
+    );
+    v.push((
+        "lineage: each consumed sample recorded once".into(),
+        format!("{rows} rows, {distinct_rows} distinct (version, sample)"),
+        rows == distinct_rows,
+    ));
     let admitted = number(d, "SELECT count(DISTINCT group_id) FROM prompts");
     let unaccounted = number(
         d,

@@ -185,6 +185,7 @@ async fn the_rollout_stage_drives_serve_as_a_remote_engine_with_weight_updates()
         outputs: vec![("rollouts".into(), SchemaId::Rollouts)],
         envs,
         durable_bus: false,
+        bus: None,
     };
     let local = RolloutConfig {
         checkpoint: v0.clone(),

@@ -64,6 +64,14 @@ pub enum Error {
     /// The bus was shut down while waiting.
     #[error("bus closed while {0}")]
     Closed(&'static str),
+    /// The bus did not answer in time.
+    #[error("timed out after {secs} s {op}")]
+    Timeout {
+        /// What was being done.
+        op: String,
+        /// Seconds waited.
+        secs: u64,
+    },
     /// Encoding or decoding a message failed.
     #[error(transparent)]
     Schema(#[from] streamrl_schemas::Error),

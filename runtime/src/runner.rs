@@ -682,8 +682,14 @@ impl Runner {
                         .await?;
                     pending.push((fut, 0));
                 }
+                Emitted::Barrier => self.await_delivery(std::mem::take(&mut pending)).await?,
             }
         }
+        self.await_delivery(pending).await
+    }
+
+    /// Waits until the bus has every record in `pending`, and counts them.
+    async fn await_delivery(&self, pending: Vec<(DeliveryFuture, u64)>) -> Result<()> {
         let rows: u64 = pending.iter().map(|(_, r)| r).sum();
         let n = pending.len() as u64;
         try_join_all(pending.into_iter().map(|(f, _)| f)).await?;

@@ -66,6 +66,7 @@ pub(crate) struct Settle {
 pub(crate) enum Emitted {
     Batch { topic: String, batch: RecordBatch },
     Signal { topic: String, signal: Signal },
+    Barrier,
 }
 
 impl Emitter {
@@ -86,6 +87,15 @@ impl Emitter {
             topic: topic.into(),
             signal,
         });
+    }
+
+    /// Orders delivery: everything emitted before the barrier is delivered (acknowledged
+    /// by the bus) before anything emitted after it is sent. Without one, outputs of a call
+    /// to different topics land in any order. The trainer puts one between a version's
+    /// lineage rows and the version itself, so a version on `policy` implies its lineage
+    /// on `trained`, whatever instant the process is killed at.
+    pub fn barrier(&mut self) {
+        self.outputs.push(Emitted::Barrier);
     }
 
     /// Stamps outputs from now on with this policy version header.
@@ -126,7 +136,7 @@ impl Emitter {
             .into_iter()
             .filter_map(|e| match e {
                 Emitted::Batch { topic, batch } => Some((topic, batch)),
-                Emitted::Signal { .. } => None,
+                Emitted::Signal { .. } | Emitted::Barrier => None,
             })
             .collect()
     }

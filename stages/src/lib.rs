@@ -99,6 +99,20 @@ pub struct Ctx {
     /// true; the in-process memory bus: false, so a restarted run starts from empty topics
     /// and must re-admit and re-announce what was in flight).
     pub durable_bus: bool,
+    /// The bus the stage runs on, for a stage that must see at start what a topic already
+    /// holds (a restarted trainer: whether its newest version reached `policy`). `None`
+    /// when a stage is driven outside the runtime (tests).
+    pub bus: Option<BusHandle>,
+}
+
+/// A shared handle on the bus, printable in [`Ctx`]'s debug output.
+#[derive(Clone)]
+pub struct BusHandle(pub Arc<dyn streamrl_runtime::bus::Bus>);
+
+impl std::fmt::Debug for BusHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Bus({})", self.0.url())
+    }
 }
 
 impl Ctx {

@@ -18,8 +18,10 @@
 //! superseded: too old to tell from a copy), and holds its inputs until the checkpoint
 //! that includes them is on disk, so a crash neither loses nor repeats a sample. The
 //! version it has published is recorded (`checkpoints/published`) once the bus has it; on
-//! a durable bus a restarted trainer publishes its newest checkpoint only if that record
-//! is older (a kill between saving and publishing), never twice.
+//! a durable bus a restarted trainer whose record is older than its newest checkpoint
+//! reads the newest message of `policy` and publishes that checkpoint only if the topic
+//! does not hold it yet (killed between saving and publishing), never twice (killed
+//! between the bus's acknowledgement and the record).
 //!
 //! Lineage: with a topic of schema `trained` among its outputs, the trainer emits, with
 //! each version, one row per sample it consumed for it (trained, filtered, stale), and
@@ -266,6 +268,70 @@ impl TrainerStage {
         Ok(())
     }
 
+    /// The newest version the `policy` topic holds, read from the topic itself. An end of
+    /// run counts as the version it closed (`max_steps`): it is sent right after it.
+    async fn newest_on_policy(&self) -> Result<Option<u64>, StageError> {
+        let Some(bus) = &self.ctx.bus else {
+            return Ok(None);
+        };
+        let topic = &self.policy_topic;
+        let newest = streamrl_runtime::bus::newest(bus.0.as_ref(), topic, std::time::Duration::from_secs(60))
+            .await
+            .map_err(|e| StageError::external(format!("reading what `{topic}` holds: {e}")))?;
+        let mut best: Option<u64> = None;
+        for m in newest {
+            let headers = streamrl_schemas::Headers::from_wire(&m.headers)
+                .map_err(|e| StageError::internal(format!("`{topic}` offset {}: {e}", m.offset)))?;
+            let version = match headers.signal {
+                Some(Signal::EndOfRun) => self.cfg.max_steps,
+                Some(_) => None,
+                None => {
+                    let batch = streamrl_schemas::codec::decode(SchemaId::Policy, &m.headers, &m.payload)
+                        .map_err(|e| StageError::internal(format!("`{topic}` offset {}: {e}", m.offset)))?;
+                    rows::<PolicyRow>(&batch)?.iter().map(|r| r.step).max()
+                }
+            };
+            best = best.max(version);
+        }
+        Ok(best)
+    }
+
+    /// Whether the lineage of the newest saved version is on `trained` already (killed
+    /// after it was delivered, before the version was). The trainer is the topic's only
+    /// writer and sends nothing after a version's lineage until the version is delivered,
+    /// so that lineage is the newest message of its partition. (With a key on `trained`,
+    /// the lineage is several messages and a kill between them is not told apart.)
+    async fn lineage_on_bus(&self) -> Result<bool, StageError> {
+        let (Some(bus), Some(topic)) = (&self.ctx.bus, &self.trained_topic) else {
+            return Ok(false);
+        };
+        if self.last_lineage.is_empty() {
+            return Ok(false);
+        }
+        let newest = streamrl_runtime::bus::newest(bus.0.as_ref(), topic, std::time::Duration::from_secs(60))
+            .await
+            .map_err(|e| StageError::external(format!("reading what `{topic}` holds: {e}")))?;
+        let consumed = [Outcome::Trained, Outcome::Filtered, Outcome::Stale].map(Outcome::name);
+        for m in newest {
+            if streamrl_schemas::Headers::from_wire(&m.headers).is_ok_and(|h| h.signal.is_some()) {
+                continue;
+            }
+            let batch = streamrl_schemas::codec::decode(SchemaId::Trained, &m.headers, &m.payload)
+                .map_err(|e| StageError::internal(format!("`{topic}` offset {}: {e}", m.offset)))?;
+            let found = rows::<TrainedRow>(&batch)?
+                .iter()
+                .any(|r| r.version as u64 == self.version && consumed.contains(&r.outcome.as_str()));
+            if found {
+                tracing::info!(
+                    version = self.version,
+                    "trainer: the lineage of this version is on the bus already"
+                );
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// The oldest admitted step whose sample ids are still remembered.
     fn watermark(&self) -> u64 {
         self.version.saturating_sub(self.cfg.dedup_window)
@@ -388,6 +454,9 @@ impl TrainerStage {
             created_at: now_ms(),
         };
         self.emit_lineage(out, &self.last_lineage)?;
+        // The lineage is on the bus before the version is: a version seen on `policy`
+        // after a kill has its lineage on `trained`.
+        out.barrier();
         self.publish(out)?;
         self.retain();
         let n = all.len().max(1) as f64;
@@ -409,6 +478,10 @@ impl TrainerStage {
             ("clip_fraction".into(), report.clip_fraction as f64),
             ("entropy".into(), report.entropy as f64),
             ("grad_norm".into(), report.grad_norm as f64),
+            (
+                "optimizer_step_skipped".into(),
+                if report.skipped_nonfinite { 1.0 } else { 0.0 },
+            ),
             ("lr".into(), report.lr),
             ("reward_mean".into(), reward_mean),
             ("advantage_mean".into(), adv_mean),
@@ -534,11 +607,24 @@ impl Stage for TrainerStage {
     async fn start(&mut self, out: &mut Emitter) -> Result<(), StageError> {
         // Announce the version serving now (a resumed trainer's newest checkpoint), unless a
         // durable bus already has it.
-        let unpublished = self.published.is_none_or(|p| p < self.version);
-        if unpublished {
-            // Killed between saving this version and recording its delivery: its lineage
-            // may not have gone out either.
+        let mut unpublished = self.published.is_none_or(|p| p < self.version);
+        if unpublished && self.ctx.durable_bus {
+            // Killed after saving a version: whether the bus got it before the kill (and
+            // `checkpoints/published` missed it) is for the topic to say.
+            if let Some(v) = self.newest_on_policy().await? {
+                tracing::info!(on_policy = v, saved = self.version, "trainer: newest version on policy");
+                if v >= self.version {
+                    self.publishing = Some(self.version);
+                    self.delivered()?;
+                    unpublished = false;
+                }
+            }
+        }
+        if unpublished && !(self.ctx.durable_bus && self.lineage_on_bus().await?) {
+            // Killed between saving this version and its delivery: its lineage may not
+            // have gone out either (it goes out before the version, never after).
             self.emit_lineage(out, &self.last_lineage)?;
+            out.barrier();
         }
         if unpublished || !self.ctx.durable_bus {
             self.publish(out)?;

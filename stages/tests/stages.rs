@@ -41,6 +41,7 @@ fn ctx(stage: &str, run_dir: &Path, outputs: &[(&str, SchemaId)]) -> Ctx {
         outputs: outputs.iter().map(|(n, s)| (n.to_string(), *s)).collect(),
         envs: build_envs(&envs).unwrap().map(Arc::new),
         durable_bus: false,
+        bus: None,
     }
 }
 
@@ -676,6 +677,117 @@ async fn trainer_steps_per_batch_publishes_versions_and_resumes_without_repeatin
     );
     assert_eq!(metric(&m, "samples_trained"), 2.0);
     assert_eq!(again.version(), 3);
+}
+
+/// A trainer killed after the bus acknowledged version N but before it recorded that
+/// (`checkpoints/published`) must not publish N again when it comes back on a durable bus:
+/// it asks the `policy` topic. Killed before the bus had N, it publishes N (once), and
+/// N's lineage unless `trained` holds it already.
+#[tokio::test]
+async fn restarted_trainer_on_a_durable_bus_publishes_each_version_and_its_lineage_once() {
+    use streamrl_runtime::bus::{self, Record, TopicSpec};
+    use streamrl_schemas::codec::{self, Compression};
+    use streamrl_schemas::{Headers, TrainedRow};
+
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("init");
+    tiny(&ckpt, 0);
+    let b = bus::connect(&format!("memory://trainer-restart-{}", std::process::id()))
+        .await
+        .unwrap();
+    b.create_topic(&TopicSpec::new("policy", 1)).await.unwrap();
+    b.create_topic(&TopicSpec::new("trained", 1)).await.unwrap();
+    let build = |durable: bool| {
+        let mut c = ctx(
+            "trainer",
+            dir.path(),
+            &[
+                ("policy", SchemaId::Policy),
+                ("trained", SchemaId::Trained),
+                ("metrics", SchemaId::Metrics),
+            ],
+        );
+        c.durable_bus = durable;
+        c.bus = durable.then(|| streamrl_stages::BusHandle(b.clone()));
+        let cfg = TrainerConfig {
+            checkpoint: ckpt.clone(),
+            groups_per_step: 2,
+            max_off_policy_steps: 1,
+            ..Default::default()
+        };
+        TrainerStage::build(cfg, c).unwrap()
+    };
+    // Train version 1 outside the runtime: saved, never acknowledged by a bus.
+    let mut t = build(false);
+    let mut out = Emitter::default();
+    t.start(&mut out).await.unwrap();
+    for g in ["g1", "g2"] {
+        let rows: Vec<SampleRow> = (0..2).map(|i| sample(g, i, i as f32, i as f32 - 0.5, 0)).collect();
+        t.process(input("samples", &rows), &mut out).await.unwrap();
+    }
+    assert_eq!(t.version(), 1);
+    let drained = out.drain();
+    let v1 = rows_in::<PolicyRow>(&drained, "policy").last().unwrap().clone();
+    assert_eq!(v1.version, 1);
+    let lineage: Vec<TrainedRow> = rows_in(&drained, "trained");
+    assert_eq!(lineage.iter().filter(|r| r.version == 1).count(), 4, "{lineage:?}");
+    drop(t);
+
+    let send = |topic: &'static str, schema: SchemaId, batch: arrow::record_batch::RecordBatch| {
+        let b = b.clone();
+        async move {
+            let record = Record::new(codec::encode(&batch, Compression::None).unwrap())
+                .with_headers(Headers::data(schema, "trainer-0").to_wire());
+            b.producer("test")
+                .await
+                .unwrap()
+                .send(topic, record)
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+    };
+    let restart = || async {
+        let mut t = build(true);
+        let mut out = Emitter::default();
+        t.start(&mut out).await.unwrap();
+        let drained = out.drain();
+        let versions: Vec<u32> = rows_in::<PolicyRow>(&drained, "policy")
+            .iter()
+            .map(|r| r.version)
+            .collect();
+        (versions, rows_in::<TrainedRow>(&drained, "trained").len())
+    };
+
+    // The bus holds only version 0: version 1 and its lineage go out now.
+    let v0 = PolicyRow {
+        version: 0,
+        step: 0,
+        ..v1.clone()
+    };
+    send("policy", SchemaId::Policy, PolicyRow::to_batch(&[v0]).unwrap()).await;
+    assert_eq!(
+        restart().await,
+        (vec![1], 4),
+        "neither version 1 nor its lineage was on the bus"
+    );
+
+    // The lineage reached `trained`, the version did not: only the version goes out.
+    let v1_lineage: Vec<TrainedRow> = lineage.iter().filter(|r| r.version == 1).cloned().collect();
+    send("trained", SchemaId::Trained, TrainedRow::to_batch(&v1_lineage).unwrap()).await;
+    assert_eq!(restart().await, (vec![1], 0), "the lineage of version 1 was sent twice");
+
+    // The bus holds version 1 (delivered; the kill came before the record): nothing again.
+    send(
+        "policy",
+        SchemaId::Policy,
+        PolicyRow::to_batch(std::slice::from_ref(&v1)).unwrap(),
+    )
+    .await;
+    assert_eq!(restart().await, (vec![], 0), "version 1 published twice");
+    let record = std::fs::read_to_string(dir.path().join("checkpoints/published")).unwrap();
+    assert_eq!(record.trim(), "1", "what the topic holds is recorded");
 }
 
 #[tokio::test]

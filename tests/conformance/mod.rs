@@ -673,6 +673,47 @@ pub async fn dead_letter(b: &dyn Backend) {
     dl.close().await.unwrap();
 }
 
+/// `bus::newest` reads what a topic holds now: nothing for an empty topic, the last record
+/// of each non-empty partition otherwise, and leaves no group behind.
+pub async fn newest_of_each_partition(b: &dyn Backend) {
+    let bus = open(&b.url()).await;
+    let topic = unique("newest");
+    bus.create_topic(&TopicSpec::new(&topic, 3)).await.unwrap();
+    let patience = b.patience();
+    let none = streamrl_runtime::bus::newest(bus.as_ref(), &topic, patience)
+        .await
+        .unwrap();
+    assert!(
+        none.is_empty(),
+        "an empty topic has no newest message, got {}",
+        none.len()
+    );
+    // Partition 2 stays empty; 0 gets three records, 1 gets two.
+    for (p, n) in [(0u32, 3u64), (1, 2)] {
+        let records = (0..n)
+            .map(|i| Record {
+                partition: Some(p),
+                ..seq_record(&format!("p{p}"), i)
+            })
+            .collect();
+        produce(&bus, &topic, records).await;
+    }
+    let got = streamrl_runtime::bus::newest(bus.as_ref(), &topic, patience)
+        .await
+        .unwrap();
+    let got: Vec<(u32, u64, u64)> = got.iter().map(|m| (m.partition, m.offset, parse(m).1)).collect();
+    assert_eq!(
+        got,
+        vec![(0, 2, 2), (1, 1, 1)],
+        "(partition, offset, payload seq) of the newest messages"
+    );
+    // Asking again gives the same answer: nothing was consumed for anyone.
+    let again = streamrl_runtime::bus::newest(bus.as_ref(), &topic, patience)
+        .await
+        .unwrap();
+    assert_eq!(again.len(), 2);
+}
+
 /// Generates one `#[tokio::test]` per conformance case for a backend expression.
 #[macro_export]
 macro_rules! conformance_suite {
@@ -680,7 +721,7 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!(@cases $backend;
             order_within_key, spread_over_partitions, rebalance_join_and_leave, redelivery_after_crash,
             resume_after_restart, backpressure, broadcast, large_messages_and_headers, dead_letter,
-            stale_ack_after_rebalance);
+            stale_ack_after_rebalance, newest_of_each_partition);
     };
     (@cases $backend:expr; $($case:ident),*) => {
         $(

@@ -313,6 +313,58 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Bus>> {
     }
 }
 
+/// The newest message of each non-empty partition of `topic`, read as a broadcast reader
+/// does (nothing is committed), in partition order; empty for an empty topic. For a stage
+/// that must know at start what a topic already holds (a restarted trainer: whether its
+/// newest version reached `policy` before it was killed). Waits at most `patience` for
+/// the bus to hand them over.
+pub async fn newest(bus: &dyn Bus, topic: &str, patience: std::time::Duration) -> Result<Vec<Message>> {
+    let stats = bus.topic_stats(topic, &[]).await?;
+    let mut last: std::collections::BTreeMap<u32, Option<Message>> = stats
+        .iter()
+        .filter(|s| s.end_offset > s.start_offset)
+        .map(|s| (s.partition, None))
+        .collect();
+    if last.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut reader = bus.broadcast(topic).await?;
+    let deadline = tokio::time::Instant::now() + patience;
+    let ends: std::collections::BTreeMap<u32, u64> = stats.iter().map(|s| (s.partition, s.end_offset)).collect();
+    // The reader starts at the newest record of each partition; keep reading until each
+    // partition's record at or after the end seen above has arrived (a concurrent writer
+    // may have added more: the newest one read wins).
+    while last
+        .iter()
+        .any(|(p, m)| m.as_ref().is_none_or(|m| m.offset + 1 < ends[p]))
+    {
+        let m = tokio::time::timeout_at(deadline, reader.recv())
+            .await
+            .map_err(|_| Error::Timeout {
+                op: format!("reading the newest message of each partition of `{topic}`"),
+                secs: patience.as_secs(),
+            })??;
+        if let Some(slot) = last.get_mut(&m.partition)
+            && slot.as_ref().is_none_or(|old| old.offset < m.offset)
+        {
+            *slot = Some(m);
+        }
+    }
+    // Some brokers (tansu) report a partition's end as one past its last record *batch*,
+    // not its last record: the rest of that batch follows at once, so read on until the
+    // reader has been quiet for a moment.
+    while let Ok(m) = tokio::time::timeout(std::time::Duration::from_millis(300), reader.recv()).await {
+        let m = m?;
+        if let Some(slot) = last.get_mut(&m.partition)
+            && slot.as_ref().is_none_or(|old| old.offset < m.offset)
+        {
+            *slot = Some(m);
+        }
+    }
+    reader.close().await?;
+    Ok(last.into_values().flatten().collect())
+}
+
 /// The partition a key maps to: murmur2 like the Java client's default partitioner, so
 /// every streamrl backend and any Java producer agree.
 pub fn partition_for_key(key: &[u8], partitions: u32) -> u32 {
