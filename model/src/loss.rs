@@ -104,7 +104,31 @@ pub struct LossMetrics {
     pub clip_fraction: f32,
 }
 
-/// Computes `kind`'s loss.
+/// Largest log importance ratio the objective's arithmetic uses (e^20 ≈ 4.9e8); larger
+/// ones are clamped in value (they are masked by every sensible `high` anyway).
+pub const MAX_LOG_RATIO: f32 = 20.0;
+
+/// Refuses inputs no loss can be finite on, naming the first bad value: NaN anywhere, an
+/// infinite advantage or mask, a +∞ sampler logprob. (A −∞ sampler logprob is allowed: an
+/// infinite ratio, masked or clamped.)
+fn check_finite(x: &LossInputs<'_>) -> Result<()> {
+    let bad = |name: &str, i: usize, v: f32| Error::Shape(format!("loss input `{name}`[{i}] is {v}"));
+    for (i, v) in x.sampler.iter().enumerate() {
+        if v.is_nan() || *v == f32::INFINITY {
+            return Err(bad("sampler", i, *v));
+        }
+    }
+    for (name, vals) in [("advantages", x.advantages), ("mask", x.mask)] {
+        if let Some((i, v)) = vals.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            return Err(bad(name, i, *v));
+        }
+    }
+    Ok(())
+}
+
+/// Computes `kind`'s loss. Finite for any finite inputs and for −∞ sampler logprobs,
+/// however large the ratios: masks are decided on the log-ratio, and a masked token's
+/// ratio never enters a product.
 pub fn compute(kind: LossKind, x: LossInputs<'_>) -> Result<(Tensor, LossMetrics)> {
     let n = x.logprobs.dims1()?;
     for (name, len) in [
@@ -118,20 +142,54 @@ pub fn compute(kind: LossKind, x: LossInputs<'_>) -> Result<(Tensor, LossMetrics
             )));
         }
     }
+    check_finite(&x)?;
     let dev = x.logprobs.device();
     let lp = x.logprobs.to_vec1::<f32>()?;
-    let log_r: Vec<f32> = lp.iter().zip(x.sampler).map(|(a, b)| a - b).collect();
+    // The true log-ratio decides the masks (a −∞ sampler logprob is an infinite ratio; a
+    // −∞ trainer logprob, a zero one). Arithmetic uses `clamped`: ±MAX_LOG_RATIO at most,
+    // and 0 on tokens outside the mask, so no inf or NaN can reach a product, however
+    // large the ratio or however small a weight (inf × 0 is NaN).
+    let log_r: Vec<f32> = lp
+        .iter()
+        .zip(x.sampler)
+        .map(|(a, b)| {
+            let l = a - b;
+            if l.is_nan() { f32::NEG_INFINITY } else { l }
+        })
+        .collect();
     let r: Vec<f32> = log_r.iter().map(|l| l.exp()).collect();
+    let clamped: Vec<f32> = log_r
+        .iter()
+        .zip(x.mask)
+        .map(|(l, m)| {
+            if *m > 0.0 {
+                l.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+            } else {
+                0.0
+            }
+        })
+        .collect();
     let tokens: f32 = x.mask.iter().sum();
     let denom = tokens.max(1.0);
-    let mismatch_kl = r
+    let mismatch_kl = clamped
         .iter()
-        .zip(&log_r)
         .zip(x.mask)
-        .map(|((r, l), m)| m * (r - l - 1.0))
+        .filter(|(_, m)| **m > 0.0)
+        .map(|(l, m)| m * (l.exp() - l - 1.0))
         .sum::<f32>()
         / denom;
-    let sampler = Tensor::new(x.sampler, dev)?;
+    // The differentiable log-ratio: `logprobs − sampler` where that is what `clamped`
+    // holds, else `logprobs − (their value − clamped)`: the same gradient (1), a finite value.
+    let shift: Vec<f32> = (0..n)
+        .map(|i| {
+            if clamped[i] == log_r[i] {
+                x.sampler[i]
+            } else {
+                lp[i] - clamped[i]
+            }
+        })
+        .collect();
+    let sampler = Tensor::new(shift.as_slice(), dev)?;
     let ratio = (x.logprobs - &sampler)?.exp()?;
     let weights = |w: Vec<f32>| Tensor::new(w.as_slice(), dev);
     let mut m = LossMetrics {
@@ -192,8 +250,9 @@ pub fn compute(kind: LossKind, x: LossInputs<'_>) -> Result<(Tensor, LossMetrics
                     continue;
                 }
                 let a = x.advantages[i];
-                let c = r[i].clamp(1.0 - eps_low, 1.0 + eps_high);
-                if c * a < r[i] * a {
+                let ri = clamped[i].exp();
+                let c = ri.clamp(1.0 - eps_low, 1.0 + eps_high);
+                if c * a < ri * a {
                     // The clipped branch is the minimum: it is constant in θ.
                     constant -= c * a / denom;
                     clipped += 1.0;
@@ -247,7 +306,13 @@ pub fn compute(kind: LossKind, x: LossInputs<'_>) -> Result<(Tensor, LossMetrics
         }
         LossKind::Tis { cap } => {
             let w: Vec<f32> = (0..n)
-                .map(|i| -x.mask[i] * r[i].min(cap) * x.advantages[i] / denom)
+                .map(|i| {
+                    if x.mask[i] > 0.0 {
+                        -x.mask[i] * r[i].min(cap) * x.advantages[i] / denom
+                    } else {
+                        0.0
+                    }
+                })
                 .collect();
             (x.logprobs * weights(w)?)?.sum_all()?
         }
@@ -446,6 +511,119 @@ mod tests {
         );
         assert!(close(m.loss, 2.5) && close(m.tokens, 2.0));
         assert!(close(g[0], -0.5) && close(g[1], 0.0) && close(g[2], -0.5), "{g:?}");
+    }
+
+    fn every_kind() -> Vec<LossKind> {
+        vec![
+            LossKind::default(),
+            LossKind::MaskedIs {
+                low: 0.5,
+                high: 5.0,
+                seq_low: Some(0.1),
+                kl_tau: 0.1,
+            },
+            LossKind::Clipped {
+                eps_low: 0.2,
+                eps_high: 0.28,
+            },
+            LossKind::Gspo {
+                eps_low: 3e-4,
+                eps_high: 4e-4,
+            },
+            LossKind::Tis { cap: 2.0 },
+            LossKind::Sft,
+        ]
+    }
+
+    #[test]
+    fn every_kind_is_finite_for_extreme_and_infinite_ratios() {
+        // log-ratios of +100 (e^100 overflows f32), −100, +∞ (a −∞ sampler logprob), each
+        // on a trainable and on a masked token, next to ordinary ones, with both signs of
+        // advantage.
+        let lp = [-0.5, -0.5, -120.0, -120.0, -1.0, -1.0, -2.0, -0.1];
+        let mu = [
+            -100.5,
+            -100.5,
+            -20.0,
+            -20.0,
+            f32::NEG_INFINITY,
+            f32::NEG_INFINITY,
+            -2.1,
+            -0.1,
+        ];
+        let mask = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0];
+        for adv in [[1.0f32; 8], [-1.0; 8], [3.0, -2.0, 1.0, -1.0, 0.5, 2.0, -0.5, 1.0]] {
+            for kind in every_kind() {
+                let (m, g) = run(kind, &lp, &mu, &adv, &mask, &[(0, 4), (4, 4)]);
+                let what = format!("{kind:?} with advantages {adv:?}");
+                assert!(m.loss.is_finite(), "{what}: loss {}", m.loss);
+                for (name, v) in [
+                    ("masked_low", m.masked_low),
+                    ("masked_high", m.masked_high),
+                    ("mismatch_kl", m.mismatch_kl),
+                    ("clip_fraction", m.clip_fraction),
+                ] {
+                    assert!(v.is_finite(), "{what}: {name} {v}");
+                }
+                assert!(g.iter().all(|v| v.is_finite()), "{what}: gradient {g:?}");
+                for i in [1, 3, 5] {
+                    assert_eq!(g[i], 0.0, "{what}: masked token {i} got gradient {}", g[i]);
+                }
+                if let LossKind::MaskedIs { .. } = kind {
+                    // +100, +∞ above high; −100 below low: 3 of the 5 trainable tokens.
+                    assert!(
+                        close(m.masked_high, 2.0 / 5.0) && close(m.masked_low, 1.0 / 5.0),
+                        "{what}: {m:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn ordinary_ratios_are_unchanged_by_the_guard() {
+        // Within ±MAX_LOG_RATIO the objective is the textbook one: r·A on kept tokens.
+        let lp = [0.3f32.ln(), 1.0f32.ln(), 3.0f32.ln()];
+        let (m, g) = run(
+            LossKind::Tis { cap: 10.0 },
+            &lp,
+            &[0.0; 3],
+            &[1.0; 3],
+            &[1.0; 3],
+            &[(0, 3)],
+        );
+        assert!(close(
+            m.mismatch_kl,
+            ((0.3 - 0.3f32.ln() - 1.0) + 0.0 + (3.0 - 3f32.ln() - 1.0)) / 3.0
+        ));
+        assert!(close(g[2], -1.0), "{g:?}");
+    }
+
+    #[test]
+    fn nan_and_infinite_inputs_are_named() {
+        let v = Var::new(&[0f32, 0.0][..], &Device::Cpu).unwrap();
+        let call = |sampler: &[f32], adv: &[f32], mask: &[f32]| {
+            compute(
+                LossKind::default(),
+                LossInputs {
+                    logprobs: v.as_tensor(),
+                    sampler,
+                    advantages: adv,
+                    mask,
+                    spans: &[(0, 2)],
+                },
+            )
+            .unwrap_err()
+            .to_string()
+        };
+        let e = call(&[0.0, f32::NAN], &[1.0, 1.0], &[1.0, 1.0]);
+        assert!(e.contains("`sampler`[1] is NaN"), "{e}");
+        let e = call(&[f32::INFINITY, 0.0], &[1.0, 1.0], &[1.0, 1.0]);
+        assert!(e.contains("`sampler`[0] is inf"), "{e}");
+        let e = call(&[0.0, 0.0], &[1.0, f32::NEG_INFINITY], &[1.0, 1.0]);
+        assert!(e.contains("`advantages`[1] is -inf"), "{e}");
+        let e = call(&[0.0, 0.0], &[1.0, 1.0], &[f32::NAN, 1.0]);
+        assert!(e.contains("`mask`[0] is NaN"), "{e}");
     }
 
     #[test]

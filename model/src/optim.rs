@@ -161,6 +161,9 @@ pub struct StepStats {
     pub lr: f64,
     /// Parameters without a gradient this step (should be 0 for a full model).
     pub missing_grads: usize,
+    /// The gradient norm was not finite (a NaN or inf gradient): no parameter and no
+    /// moment was touched, and the step was not counted.
+    pub skipped: bool,
 }
 
 /// AdamW or Muon+AdamW over every variable of a [`VarMap`].
@@ -218,9 +221,10 @@ impl Optimizer {
         self.step
     }
 
-    /// Clips the global gradient norm, then updates every parameter with rate `lr`.
+    /// Clips the global gradient norm, then updates every parameter with rate `lr`. A
+    /// gradient whose norm is not finite is refused whole: nothing changes, and the
+    /// returned stats say `skipped`.
     pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<StepStats> {
-        self.step += 1;
         // Gradients are read where they lie (made contiguous only when they are not).
         let mut sq = 0f64;
         let mut contiguous: Vec<Option<Tensor>> = Vec::with_capacity(self.params.len());
@@ -235,6 +239,15 @@ impl Optimizer {
             }
         }
         let norm = sq.sqrt();
+        if !norm.is_finite() {
+            return Ok(StepStats {
+                grad_norm: norm as f32,
+                lr,
+                missing_grads: 0,
+                skipped: true,
+            });
+        }
+        self.step += 1;
         let clip = if self.cfg.max_grad_norm > 0.0 && norm > self.cfg.max_grad_norm {
             (self.cfg.max_grad_norm / (norm + 1e-6)) as f32
         } else {
@@ -287,6 +300,7 @@ impl Optimizer {
             grad_norm: norm as f32,
             lr,
             missing_grads: missing,
+            skipped: false,
         })
     }
 
@@ -490,5 +504,47 @@ mod tests {
         // what matters: no NaN and the parameters moved.
         let after: Vec<f32> = vm.data().lock().unwrap()["b.bias"].as_tensor().to_vec1().unwrap();
         assert!(after.iter().zip(&before).all(|(a, b)| a.is_finite() && a != b));
+    }
+
+    #[test]
+    fn a_non_finite_gradient_changes_nothing() {
+        for muon in [false, true] {
+            let vm = vars();
+            let snapshot = |vm: &VarMap| -> Vec<Vec<f32>> {
+                let data = vm.data().lock().unwrap();
+                let mut names: Vec<&String> = data.keys().collect();
+                names.sort();
+                names
+                    .iter()
+                    .map(|n| data[*n].as_tensor().flatten_all().unwrap().to_vec1().unwrap())
+                    .collect()
+            };
+            let cfg = OptimizerConfig {
+                kind: if muon {
+                    OptimizerKind::Muon
+                } else {
+                    OptimizerKind::Adamw
+                },
+                ..Default::default()
+            };
+            let mut o = Optimizer::new(&vm, cfg).unwrap();
+            o.step(&quadratic_grads(&vm, 1.0), 0.01).unwrap();
+            let before = snapshot(&vm);
+            // One NaN in one gradient.
+            let mut g = quadratic_grads(&vm, 1.0);
+            let data = vm.data().lock().unwrap().clone();
+            let bias = data["b.bias"].as_tensor();
+            let mut vals: Vec<f32> = g.get(bias).unwrap().to_vec1().unwrap();
+            vals[2] = f32::NAN;
+            g.insert(bias, Tensor::new(vals.as_slice(), &Device::Cpu).unwrap());
+            let st = o.step(&g, 0.01).unwrap();
+            assert!(st.skipped && st.grad_norm.is_nan(), "muon {muon}: {st:?}");
+            assert_eq!(o.steps(), 1, "a skipped step is not counted");
+            assert_eq!(snapshot(&vm), before, "muon {muon}: parameters moved on a NaN gradient");
+            // The next finite step proceeds from untouched moments.
+            let st = o.step(&quadratic_grads(&vm, 1.0), 0.01).unwrap();
+            assert!(!st.skipped && st.grad_norm.is_finite());
+            assert!(snapshot(&vm).iter().flatten().all(|v| v.is_finite()));
+        }
     }
 }

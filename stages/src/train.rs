@@ -124,6 +124,9 @@ pub struct StepReport {
     pub entropy: f32,
     /// Gradient norm before clipping.
     pub grad_norm: f32,
+    /// The loss or the gradient norm was not finite, so the optimizer step was skipped:
+    /// the weights and optimizer state are as before this call.
+    pub skipped_nonfinite: bool,
     /// Learning rate used.
     pub lr: f64,
     /// Samples trained.
@@ -332,9 +335,19 @@ impl Learner {
             });
         }
         let lr = self.cfg.lr.lr(self.opt.steps());
-        if let Some(g) = grads {
+        if !report.loss.is_finite() {
+            tracing::warn!(loss = report.loss, "non-finite loss: optimizer step skipped");
+            report.skipped_nonfinite = true;
+        } else if let Some(g) = grads {
             let stats = self.opt.step(&g, lr)?;
             report.grad_norm = stats.grad_norm;
+            if stats.skipped {
+                tracing::warn!(
+                    grad_norm = stats.grad_norm,
+                    "non-finite gradient norm: optimizer step skipped"
+                );
+                report.skipped_nonfinite = true;
+            }
         }
         report.lr = lr;
         report.step = self.opt.steps();
