@@ -287,3 +287,68 @@ print(t.num_rows, toks, n, steps, calls)
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "40 120 40 5 8");
 }
+
+/// The functions people type into `streamrl query` plan and run (string, unicode, regex,
+/// crypto, encoding, date/time and math functions are DataFusion features of their own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn common_sql_functions_plan_and_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let _bus = archived_run(dir.path()).await;
+    let sql = Sql::open(dir.path()).await.unwrap();
+    let cases: &[(&str, &str)] = &[
+        ("substr(rollout_id, 1, 1)", "r"),
+        ("substring(rollout_id from 1 for 1)", "r"),
+        ("md5('abc')", "900150983cd24fb0d6963f7d28e17f72"),
+        (
+            "sha256('abc')",
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad",
+        ),
+        ("upper('abc')", "ABC"),
+        ("lower('ABC')", "abc"),
+        ("char_length('héllo')", "5"),
+        ("length('abc')", "3"),
+        ("concat('a', 'b', 'c')", "abc"),
+        ("'a' || 'b'", "ab"),
+        ("replace('a-b', '-', '+')", "a+b"),
+        ("split_part('a,b,c', ',', 2)", "b"),
+        ("strpos('hello', 'l')", "3"),
+        ("left('hello', 2)", "he"),
+        ("right('hello', 2)", "lo"),
+        ("lpad('7', 3, '0')", "007"),
+        ("trim('  x  ')", "x"),
+        ("reverse('abc')", "cba"),
+        ("starts_with('hello', 'he')", "true"),
+        ("regexp_replace('a1b2', '[0-9]', '', 'g')", "ab"),
+        ("regexp_like('abc', '^a')", "true"),
+        ("to_hex(255)", "ff"),
+        ("encode('abc', 'base64')", "YWJj"),
+        (
+            "date_trunc('day', to_timestamp_millis(86400000 + 5000))",
+            "1970-01-02T00:00:00",
+        ),
+        ("abs(-2)", "2"),
+        ("round(2.5)", "3.0"),
+        ("coalesce(NULL, 'x')", "x"),
+    ];
+    let mut failures = Vec::new();
+    for (expr, want) in cases {
+        let q = format!("SELECT {expr} AS v FROM rollouts ORDER BY rollout_id LIMIT 1");
+        match sql.query(&q).await {
+            Ok(batches) => {
+                let col = batches[0].column(0);
+                let got = arrow::util::display::array_value_to_string(col, 0).unwrap();
+                if got != *want {
+                    failures.push(format!("{expr}: got {got}, want {want}"));
+                }
+            }
+            Err(e) => failures.push(format!("{expr}: {e}")),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} failed:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
