@@ -1,14 +1,14 @@
-# Multi-stage build of the streamrl binary. Build: docker build -t streamrl .
+# Multi-stage build of the streamrl binary (one file: it is also the sandboxes' init).
+# Build: docker build -t streamrl .
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked -p streamrl -p streamrl-sandbox --bins
+RUN cargo build --release --locked -p streamrl --bin streamrl
 
 FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates zlib1g python3 \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /src/target/release/streamrl /usr/local/bin/streamrl
-COPY --from=build /src/target/release/streamrl-sandbox-init /usr/local/bin/streamrl-sandbox-init
 COPY topology.yaml /app/topology.yaml
 WORKDIR /app
 ENTRYPOINT ["streamrl"]

@@ -201,6 +201,9 @@ fn load_on(path: &std::path::Path, bus: Option<String>) -> Result<Topology> {
 }
 
 fn main() -> std::process::ExitCode {
+    // `streamrl __sandbox-init CONFIG`: this binary is also the sandboxes' init (one file
+    // to ship). First, before any thread exists.
+    streamrl_sandbox::init::run_if_invoked();
     let cli = Cli::parse();
     // Training reuses its freed activation buffers instead of faulting them in again.
     streamrl_kernels::alloc::retain_freed_memory();

@@ -68,8 +68,17 @@ fn the_gateway_runs_commands_and_sessions_behind_a_token() {
         .local_addr()
         .unwrap()
         .port();
+    // The streamrl binary alone, as the Dockerfile ships it: it is its own sandbox init
+    // (no `streamrl-sandbox-init` beside it, none named by the environment).
+    let alone = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("alone-{}", std::process::id()));
+    std::fs::create_dir_all(&alone).unwrap();
+    let bin = alone.join("streamrl");
+    let _ = std::fs::remove_file(&bin);
+    std::fs::hard_link(env!("CARGO_BIN_EXE_streamrl"), &bin)
+        .or_else(|_| std::fs::copy(env!("CARGO_BIN_EXE_streamrl"), &bin).map(|_| ()))
+        .unwrap();
     let _server = Server(
-        Command::new(env!("CARGO_BIN_EXE_streamrl"))
+        Command::new(&bin)
             .args([
                 "sandbox",
                 "serve",
@@ -79,6 +88,7 @@ fn the_gateway_runs_commands_and_sessions_behind_a_token() {
                 &format!("127.0.0.1:{port}"),
             ])
             .env("STREAMRL_SANDBOX_TOKEN", TOKEN)
+            .env_remove("STREAMRL_SANDBOX_INIT")
             .stdout(Stdio::null())
             .spawn()
             .unwrap(),

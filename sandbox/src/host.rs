@@ -187,7 +187,7 @@ impl Sandbox {
     pub fn start(cfg: &SandboxConfig) -> Result<Sandbox, Error> {
         let n = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         let id = format!("sbx-{}-{n}", std::process::id());
-        let init_path = cfg.init_path()?;
+        let (init_path, init_args) = cfg.init_command()?;
         let root = sys::geteuid() == 0;
         let init_cfg = InitConfig {
             ro_binds: cfg.ro_binds.clone(),
@@ -204,6 +204,7 @@ impl Sandbox {
             },
         };
         let mut child = Command::new(&init_path)
+            .args(init_args)
             .arg(serde_json::to_string(&init_cfg).expect("serialisable"))
             .env_clear()
             .stdin(Stdio::piped())

@@ -1,4 +1,5 @@
-//! The sandbox's init process (the `streamrl-sandbox-init` binary).
+//! The sandbox's init process: the `streamrl-sandbox-init` binary, or any binary that
+//! calls [`run_if_invoked`] first (the `streamrl` CLI does, so it ships as one file).
 //!
 //! 1. Started by the host with an [`InitConfig`] as its argument, it unshares user, mount,
 //!    pid, network, IPC, UTS and cgroup namespaces, writes one byte to stdout and waits
@@ -34,9 +35,37 @@ use crate::{seccomp, sys};
 /// namespace, so the host's `/tmp` is untouched).
 const STAGING: &str = "/tmp";
 
-/// Entry point of the init binary.
+/// The hidden first argument under which a host binary (the `streamrl` CLI) acts as the
+/// init: `streamrl __sandbox-init CONFIG_JSON`, so one binary is all there is to ship.
+pub const SUBCOMMAND: &str = "__sandbox-init";
+
+static EMBEDDED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Call first thing in `main` of a binary that embeds the init (before any thread is
+/// started: a multi-threaded process cannot enter a new user namespace). Invoked as
+/// `BINARY __sandbox-init CONFIG_JSON`, it becomes the init and never returns; otherwise
+/// it records that this executable can serve as the init, and sandboxes started from
+/// this process run it (see [`SandboxConfig::init_command`](crate::SandboxConfig::init_command)).
+pub fn run_if_invoked() {
+    if std::env::args_os().nth(1).is_some_and(|a| a == SUBCOMMAND) {
+        main()
+    }
+    EMBEDDED.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether this process's executable embeds the init ([`run_if_invoked`] ran).
+pub fn embedded() -> bool {
+    EMBEDDED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Entry point of the init: `streamrl-sandbox-init CONFIG_JSON`, or
+/// `BINARY __sandbox-init CONFIG_JSON` from a binary that embeds it.
 pub fn main() -> ! {
-    let cfg: InitConfig = match std::env::args().nth(1).map(|a| serde_json::from_str(&a)) {
+    let mut args = std::env::args().skip(1).peekable();
+    if args.peek().is_some_and(|a| a == SUBCOMMAND) {
+        args.next();
+    }
+    let cfg: InitConfig = match args.next().map(|a| serde_json::from_str(&a)) {
         Some(Ok(c)) => c,
         Some(Err(e)) => fail(&format!("bad init configuration: {e}")),
         None => fail("usage: streamrl-sandbox-init CONFIG_JSON (started by the sandbox pool)"),

@@ -91,8 +91,10 @@ pub enum CgroupMode {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SandboxConfig {
-    /// The `streamrl-sandbox-init` binary. Default: `$STREAMRL_SANDBOX_INIT`, else next to
-    /// the running executable or one directory up (test binaries live in `deps/`).
+    /// The init binary (`streamrl-sandbox-init`, or a binary embedding it). Default:
+    /// `$STREAMRL_SANDBOX_INIT`, else the running executable when it embeds the init (the
+    /// `streamrl` CLI), else `streamrl-sandbox-init` next to the running executable or one
+    /// directory up (see [`SandboxConfig::init_command`]).
     pub init: Option<PathBuf>,
     /// Host paths bound read-only at the same place inside (symlinks are recreated).
     /// Paths that do not exist on the host are skipped.
@@ -185,18 +187,34 @@ impl SandboxConfig {
 
     /// The init binary this configuration uses.
     pub fn init_path(&self) -> Result<PathBuf, Error> {
+        self.init_command().map(|(p, _)| p)
+    }
+
+    /// The init this configuration runs, as a program and the arguments before the
+    /// configuration: [`init`](SandboxConfig::init) when set, else `$STREAMRL_SANDBOX_INIT`,
+    /// else this executable itself when it embeds the init
+    /// ([`init::run_if_invoked`](crate::init::run_if_invoked)), else a
+    /// `streamrl-sandbox-init` next to the running executable or one directory up (test
+    /// binaries live in `deps/`).
+    pub fn init_command(&self) -> Result<(PathBuf, Vec<&'static str>), Error> {
         if let Some(p) = &self.init {
-            return Ok(p.clone());
+            return Ok((p.clone(), Vec::new()));
         }
         if let Some(p) = std::env::var_os("STREAMRL_SANDBOX_INIT") {
-            return Ok(PathBuf::from(p));
+            return Ok((PathBuf::from(p), Vec::new()));
+        }
+        let exe = std::env::current_exe();
+        if crate::init::embedded()
+            && let Ok(exe) = &exe
+        {
+            return Ok((exe.clone(), vec![crate::init::SUBCOMMAND]));
         }
         let mut tried = vec![];
-        if let Ok(exe) = std::env::current_exe() {
+        if let Ok(exe) = exe {
             for dir in exe.ancestors().skip(1).take(2) {
                 let p = dir.join("streamrl-sandbox-init");
                 if p.is_file() {
-                    return Ok(p);
+                    return Ok((p, Vec::new()));
                 }
                 tried.push(p);
             }
