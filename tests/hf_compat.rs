@@ -58,9 +58,9 @@ fn checkpoints_load_in_transformers_with_the_same_logits() {
         ours.push((d, v["logits"].clone()));
     }
     let (python, path) = common::python_with(&["torch==2.15.0", "transformers==5.24.0"]);
-    let mut cmd = Command::new(python);
+    let mut cmd = Command::new(&python);
     cmd.arg("-c").arg(CHECK).arg(tokens).args(ours.iter().map(|(d, _)| d));
-    if let Some(p) = path {
+    if let Some(p) = &path {
         cmd.env("PYTHONPATH", p);
     }
     let out = cmd.output().unwrap();
@@ -85,4 +85,37 @@ fn checkpoints_load_in_transformers_with_the_same_logits() {
         }
         assert!(max < 1e-4, "{kind}: logits differ from transformers by up to {max}");
     }
+
+    // The tokenizer files load in `tokenizers` (Oniguruma regexes) through AutoTokenizer,
+    // with tokenizer_config.json's special tokens, and agree with streamrl's tokenizer.
+    let d = &ours[0].0;
+    let text = "12+30=42\nWhat is 7*8? {x}~<eos>";
+    let mut cmd = Command::new(&python);
+    cmd.arg("-c").arg(TOKENIZER_CHECK).arg(d).arg(text);
+    if let Some(p) = &path {
+        cmd.env("PYTHONPATH", p);
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "AutoTokenizer failed on {}: {}",
+        d.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let theirs: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tok = streamrl_model::Tokenizer::from_file(&d.join("tokenizer.json")).unwrap();
+    let ids = tok.encode(text).unwrap();
+    let their_ids: Vec<u32> = serde_json::from_value(theirs["ids"].clone()).unwrap();
+    assert_eq!(their_ids, ids, "token ids of {text:?}");
+    assert_eq!(theirs["decoded"], tok.decode(&ids).unwrap(), "decoded text");
+    assert_eq!(theirs["eos"], "<eos>");
+    assert_eq!(theirs["eos_id"], tok.eos.unwrap());
 }
+
+const TOKENIZER_CHECK: &str = r#"
+import json, sys
+from transformers import AutoTokenizer
+t = AutoTokenizer.from_pretrained(sys.argv[1])
+ids = t.encode(sys.argv[2], add_special_tokens=False)
+print(json.dumps({"ids": ids, "decoded": t.decode(ids), "eos": t.eos_token, "eos_id": t.eos_token_id}))
+"#;

@@ -10,6 +10,9 @@ use crate::{Error, Result};
 /// Special tokens of the character tokenizer, at ids 0..4.
 pub const CHAR_SPECIALS: [&str; 4] = ["<pad>", "<bos>", "<eos>", "<unk>"];
 
+/// The Hugging Face file beside `tokenizer.json` with special tokens and the chat template.
+pub const CONFIG_FILE: &str = "tokenizer_config.json";
+
 /// A tokenizer with its special ids resolved.
 #[derive(Clone)]
 pub struct Tokenizer {
@@ -18,6 +21,9 @@ pub struct Tokenizer {
     pub eos: Option<u32>,
     /// Beginning-of-sequence id, if any.
     pub bos: Option<u32>,
+    /// `tokenizer_config.json` (special tokens, chat template, tokenizer class), kept as
+    /// read and written back beside `tokenizer.json`, so Hugging Face tools load the pair.
+    config: serde_json::Map<String, serde_json::Value>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -32,7 +38,12 @@ impl Tokenizer {
         let find = |names: &[&str]| names.iter().find_map(|n| inner.token_to_id(n));
         let eos = find(&["<eos>", "<|im_end|>", "<|endoftext|>", "</s>", "<|end_of_text|>"]);
         let bos = find(&["<bos>", "<s>", "<|begin_of_text|>"]);
-        Tokenizer { inner, eos, bos }
+        Tokenizer {
+            inner,
+            eos,
+            bos,
+            config: serde_json::Map::new(),
+        }
     }
 
     /// The character tokenizer: the specials, then printable ASCII and newline.
@@ -54,28 +65,62 @@ impl Tokenizer {
         let json = serde_json::json!({
             "version": "1.0", "truncation": null, "padding": null,
             "added_tokens": added, "normalizer": null,
-            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(?s)."}, "behavior": "Isolated", "invert": false},
+            // One token per character. `[\s\S]`, not `(?s).`: Oniguruma (the Python
+            // `tokenizers` wheel) rejects inline flag groups.
+            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated", "invert": false},
             "post_processor": null,
             "decoder": {"type": "Fuse"},
             "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
         });
         let inner =
             tokenizers::Tokenizer::from_str(&json.to_string()).expect("the built-in tokenizer definition is valid");
-        Tokenizer::new(inner)
+        let mut t = Tokenizer::new(inner);
+        let config = serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "pad_token": CHAR_SPECIALS[0], "bos_token": CHAR_SPECIALS[1],
+            "eos_token": CHAR_SPECIALS[2], "unk_token": CHAR_SPECIALS[3],
+            "add_bos_token": false, "add_eos_token": false,
+            "clean_up_tokenization_spaces": false,
+        });
+        if let serde_json::Value::Object(m) = config {
+            t.config = m;
+        }
+        t
     }
 
-    /// Loads a `tokenizer.json`.
+    /// Loads a `tokenizer.json`, with the `tokenizer_config.json` beside it when there is one.
     pub fn from_file(path: &Path) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| Error::Tokenizer(format!("loading `{}`: {e}", path.display())))?;
-        Ok(Tokenizer::new(inner))
+        let mut t = Tokenizer::new(inner);
+        let cfg_path = path.with_file_name(CONFIG_FILE);
+        if cfg_path.exists() {
+            let text = std::fs::read_to_string(&cfg_path).map_err(Error::io("reading", &cfg_path))?;
+            t.config = serde_json::from_str(&text).map_err(|e| Error::Json {
+                path: cfg_path.display().to_string(),
+                reason: format!("expected a JSON object: {e}"),
+            })?;
+        }
+        Ok(t)
     }
 
-    /// Writes `tokenizer.json`.
+    /// Writes `tokenizer.json` to `path`, and `tokenizer_config.json` beside it when the
+    /// tokenizer has one.
     pub fn save(&self, path: &Path) -> Result<()> {
         self.inner
             .save(path, false)
-            .map_err(|e| Error::Tokenizer(format!("saving `{}`: {e}", path.display())))
+            .map_err(|e| Error::Tokenizer(format!("saving `{}`: {e}", path.display())))?;
+        if !self.config.is_empty() {
+            let cfg_path = path.with_file_name(CONFIG_FILE);
+            let text = serde_json::to_string_pretty(&self.config).unwrap_or_default();
+            std::fs::write(&cfg_path, text).map_err(Error::io("writing", &cfg_path))?;
+        }
+        Ok(())
+    }
+
+    /// `tokenizer_config.json` as loaded (empty when there was none).
+    pub fn config(&self) -> &serde_json::Map<String, serde_json::Value> {
+        &self.config
     }
 
     /// Token ids of `text` (no special tokens added).
@@ -129,5 +174,13 @@ mod tests {
         assert_eq!(back.encode("a b").unwrap(), t.encode("a b").unwrap());
         // A character outside the alphabet is <unk>, not an error.
         assert_eq!(t.encode("é").unwrap(), vec![3]);
+        // tokenizer_config.json travels with it.
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.path().join(CONFIG_FILE)).unwrap()).unwrap();
+        assert_eq!(cfg["eos_token"], "<eos>");
+        assert_eq!(back.config(), t.config());
+        // Only patterns both regex engines read (no inline flag groups such as `(?s)`).
+        let json = std::fs::read_to_string(&p).unwrap();
+        assert!(!json.contains("(?"), "inline regex flags in {json}");
     }
 }
