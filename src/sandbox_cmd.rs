@@ -141,6 +141,11 @@ fn parse_exec(
     if !allow_files && !b.files.is_empty() {
         errs.push("files are uploaded to a session with PUT /v1/sandboxes/{id}/files/{path}".to_string());
     }
+    for path in b.files.keys() {
+        if let Err(e) = streamrl_sandbox::protocol::work_relative(path) {
+            errs.push(format!("files: {e}"));
+        }
+    }
     let mut merged = serde_json::to_value(max).expect("serialisable");
     for (k, v) in &b.limits {
         merged[k] = v.clone();
@@ -167,15 +172,38 @@ fn parse_exec(
 }
 
 async fn auth(State(g): State<Shared>, headers: HeaderMap, req: Request, next: Next) -> Response {
+    // RFC 6750 / RFC 9110: the scheme name is case-insensitive.
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(|v| v.trim().split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim());
     match given {
         Some(t) if constant_time_eq(t.as_bytes(), g.token.as_bytes()) => next.run(req).await,
         Some(_) => error(StatusCode::UNAUTHORIZED, "the bearer token is wrong"),
         None => error(StatusCode::UNAUTHORIZED, "missing `Authorization: Bearer TOKEN` header"),
     }
+}
+
+/// Every error leaves the gateway as JSON, whoever produced it: the body-size limit
+/// (413), axum's own rejections (405, a path it cannot parse) as well as the handlers.
+async fn json_errors(req: Request, next: Next) -> Response {
+    let resp = next.run(req).await;
+    let status = resp.status();
+    let is_json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return resp;
+    }
+    let text = match axum::body::to_bytes(resp.into_body(), 64 << 10).await {
+        Ok(b) if !b.is_empty() => String::from_utf8_lossy(&b).trim().to_string(),
+        _ => status.canonical_reason().unwrap_or("error").to_string(),
+    };
+    error(status, text)
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -280,6 +308,9 @@ async fn exec_in(State(g): State<Shared>, Path(id): Path<String>, body: Bytes) -
 }
 
 async fn put_file(State(g): State<Shared>, Path((id, path)): Path<(String, String)>, body: Bytes) -> Response {
+    if let Err(e) = streamrl_sandbox::protocol::work_relative(&path) {
+        return error(StatusCode::BAD_REQUEST, e);
+    }
     let sb = match session(&g, &id) {
         Ok(s) => s,
         Err(e) => return e,
@@ -292,6 +323,9 @@ async fn put_file(State(g): State<Shared>, Path((id, path)): Path<(String, Strin
 }
 
 async fn get_file(State(g): State<Shared>, Path((id, path)): Path<(String, String)>) -> Response {
+    if let Err(e) = streamrl_sandbox::protocol::work_relative(&path) {
+        return error(StatusCode::BAD_REQUEST, e);
+    }
     let sb = match session(&g, &id) {
         Ok(s) => s,
         Err(e) => return e,
@@ -378,6 +412,7 @@ pub async fn run(cmd: SandboxCmd) -> Result<()> {
         .nest("/v1", v1)
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such route") })
         .layer(DefaultBodyLimit::max(a.max_body_bytes))
+        .layer(middleware::from_fn(json_errors))
         .with_state(g);
     let listener = tokio::net::TcpListener::bind(a.listen)
         .await

@@ -22,16 +22,28 @@ const TOKEN: &str = "test-token-0123456789abcdef";
 
 /// A minimal HTTP/1.1 exchange: (status, body).
 fn http(port: u16, method: &str, path: &str, token: Option<&str>, body: &[u8]) -> (u16, Vec<u8>) {
+    http_auth(
+        port,
+        method,
+        path,
+        token.map(|t| format!("Bearer {t}")).as_deref(),
+        body,
+    )
+}
+
+/// Like [`http`], with the whole `Authorization` value.
+fn http_auth(port: u16, method: &str, path: &str, authorization: Option<&str>, body: &[u8]) -> (u16, Vec<u8>) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    let auth = token
-        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+    let auth = authorization
+        .map(|a| format!("Authorization: {a}\r\n"))
         .unwrap_or_default();
     let head = format!(
         "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
     s.write_all(head.as_bytes()).unwrap();
-    s.write_all(body).unwrap();
+    // A server refusing a body (413) may answer before reading all of it.
+    let _ = s.write_all(body);
     let mut resp = vec![];
     s.read_to_end(&mut resp).unwrap();
     let split = resp.windows(4).position(|w| w == b"\r\n\r\n").expect("a header");
@@ -84,6 +96,8 @@ fn the_gateway_runs_commands_and_sessions_behind_a_token() {
                 "serve",
                 "--pool-size",
                 "2",
+                "--max-body-bytes",
+                "1048576",
                 "--listen",
                 &format!("127.0.0.1:{port}"),
             ])
@@ -113,6 +127,31 @@ fn the_gateway_runs_commands_and_sessions_behind_a_token() {
         exec.as_bytes(),
     );
     assert_eq!(st, 401);
+    // The scheme is case-insensitive (RFC 6750).
+    for scheme in ["bearer", "BEARER"] {
+        let (st, body) = http_auth(
+            port,
+            "POST",
+            "/v1/exec",
+            Some(&format!("{scheme} {TOKEN}")),
+            exec.as_bytes(),
+        );
+        assert_eq!(st, 200, "{scheme}: {}", String::from_utf8_lossy(&body));
+    }
+    // Every error is JSON with a fitting status: too large, wrong method, refused paths.
+    let big = vec![b' '; (1 << 20) + 1];
+    let (st, body) = http(port, "POST", "/v1/exec", t, &big);
+    assert_eq!(st, 413);
+    assert_eq!(json_of(&body)["error"]["type"], "payload_too_large");
+    let (st, body) = http(port, "DELETE", "/v1/exec", t, b"");
+    assert_eq!(st, 405);
+    assert!(json_of(&body)["error"]["message"].is_string());
+    for path in ["/workshop/x.py", "/etc/cron.d/x", "../x"] {
+        let req = json!({"argv": ["true"], "files": {path: "x"}}).to_string();
+        let (st, body) = http(port, "POST", "/v1/exec", t, req.as_bytes());
+        assert_eq!(st, 400, "{path}: {}", String::from_utf8_lossy(&body));
+        assert!(json_of(&body)["error"]["message"].as_str().unwrap().contains("files"));
+    }
     let (st, body) = http(port, "GET", "/health", None, b"");
     assert_eq!((st, json_of(&body)["status"].as_str()), (200, Some("ok")));
 

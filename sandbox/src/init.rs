@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Instant;
@@ -208,6 +208,19 @@ fn build_root(cfg: &InitConfig) -> io::Result<()> {
             || format!("bind /dev/{dev}"),
         )?;
     }
+    // POSIX message queues of the sandbox's IPC namespace, listed so a reset can remove
+    // them (SysV objects are found through /proc/sysvipc).
+    std::fs::create_dir(at("dev/mqueue"))?;
+    ctx(
+        sys::mount(
+            Some("mqueue"),
+            &at("dev/mqueue"),
+            Some("mqueue"),
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            None,
+        ),
+        || "mount /dev/mqueue".into(),
+    )?;
     for (name, target) in [
         ("fd", "/proc/self/fd"),
         ("stdin", "/proc/self/fd/0"),
@@ -259,7 +272,8 @@ fn mount_scratch(cfg: &InitConfig, work: &Path, tmp: &Path) -> io::Result<()> {
     })
 }
 
-/// Makes the sandbox as new: no processes, empty `/work` and `/tmp`, no IPC objects.
+/// Makes the sandbox as new: no processes, empty `/work` and `/tmp`, no IPC objects (SysV
+/// and POSIX message queues).
 ///
 /// Scratch mounts that the last command left as they were mounted (empty, root mode and
 /// owner unchanged, no extended attributes) are kept: replacing them costs two unmounts
@@ -270,11 +284,24 @@ fn reset(cfg: &InitConfig, mounter: &Mounter) -> io::Result<()> {
         return Err(io::Error::other("processes survived SIGKILL for 5 s"));
     }
     sys::ipc_remove_all();
+    mqueue_remove_all()?;
     let owner = cfg.run_as.unwrap_or(0);
     if pristine(Path::new("/work"), 0o755, owner) && pristine(Path::new("/tmp"), 0o1777, 0) {
         return Ok(());
     }
     mounter.replace_scratch()
+}
+
+/// Removes every POSIX message queue of the sandbox's IPC namespace (a queue a command
+/// made would otherwise outlive the reset and be read by the next command).
+fn mqueue_remove_all() -> io::Result<()> {
+    for entry in ctx(std::fs::read_dir("/dev/mqueue"), || "list /dev/mqueue".into())? {
+        let path = entry?.path();
+        ctx(std::fs::remove_file(&path), || {
+            format!("remove message queue {}", path.display())
+        })?;
+    }
+    Ok(())
 }
 
 /// Whether the scratch mount at `dir` is as [`mount_scratch`] left it: no entries, its
@@ -374,15 +401,17 @@ fn serve(cfg: &InitConfig, mounter: &Mounter, stdin: &mut impl Read, stdout: &mu
                 raw.reset_error = reset(cfg, mounter).err().map(|e| format!("reset: {e}"));
                 (Response::Exec(raw), vec![])
             }
-            Request::WriteFile { path, mode } => match work_path(&path).and_then(|p| write_file(&p, mode, &blob)) {
-                Ok(()) => (Response::Written, vec![]),
-                Err(e) => (
-                    Response::Error {
-                        message: format!("write {path}: {e}"),
-                    },
-                    vec![],
-                ),
-            },
+            Request::WriteFile { path, mode } => {
+                match work_path(&path).and_then(|p| write_file(cfg, &p, mode, &blob)) {
+                    Ok(()) => (Response::Written, vec![]),
+                    Err(e) => (
+                        Response::Error {
+                            message: format!("write {path}: {e}"),
+                        },
+                        vec![],
+                    ),
+                }
+            }
             Request::Reset => match reset(cfg, mounter) {
                 Ok(()) => (Response::Ready, vec![]),
                 Err(e) => (
@@ -392,7 +421,8 @@ fn serve(cfg: &InitConfig, mounter: &Mounter, stdin: &mut impl Read, stdout: &mu
                     vec![],
                 ),
             },
-            Request::ReadFile { path, max_bytes } => match work_path(&path).and_then(|p| read_file(&p, max_bytes)) {
+            Request::ReadFile { path, max_bytes } => match work_path(&path).and_then(|p| read_file(cfg, &p, max_bytes))
+            {
                 Ok(data) => (Response::File, data),
                 Err(e) => (
                     Response::Error {
@@ -409,51 +439,107 @@ fn serve(cfg: &InitConfig, mounter: &Mounter, stdin: &mut impl Read, stdout: &mu
     }
 }
 
-/// A path under `/work`, with no `..` (files are opened without following a final
-/// symlink, so a command cannot aim a later download at a file outside).
+/// Opens `/work/<rel>` without following any symbolic link on the way (a command may have
+/// planted `/work/d -> /proc/1` or `-> /dev`): each directory is opened with
+/// `O_NOFOLLOW | O_DIRECTORY` relative to the one before (created when `create`), the file
+/// itself with `O_NOFOLLOW`. The caller acts with the command's credentials.
+fn open_beneath(rel: &Path, flags: libc::c_int, mode: u32, create: bool) -> io::Result<std::fs::File> {
+    use std::os::unix::ffi::OsStrExt;
+    let names: Vec<CString> = rel
+        .components()
+        .map(|c| match c {
+            Component::Normal(n) => CString::new(n.as_bytes())
+                .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL byte in the path")),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "path must stay under /work",
+            )),
+        })
+        .collect::<io::Result<_>>()?;
+    let Some((last, dirs)) = names.split_last() else {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "path names no file"));
+    };
+    let open_at = |dir: libc::c_int, name: &CString, flags: libc::c_int, mode: u32| -> io::Result<std::fs::File> {
+        sys::openat(dir, name, flags | libc::O_NOFOLLOW, mode).map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) | Some(libc::ENOTDIR) if flags & libc::O_DIRECTORY != 0 => io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "`{}` is a symbolic link or not a directory; the file API follows no link",
+                    name.to_string_lossy()
+                ),
+            ),
+            Some(libc::ELOOP) => io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "`{}` is a symbolic link, which the file API does not follow",
+                    name.to_string_lossy()
+                ),
+            ),
+            _ => e,
+        })
+    };
+    let mut dir = open_at(
+        libc::AT_FDCWD,
+        &CString::new("/work").expect("no NUL"),
+        libc::O_DIRECTORY | libc::O_RDONLY,
+        0,
+    )?;
+    for name in dirs {
+        let flags = libc::O_DIRECTORY | libc::O_RDONLY;
+        dir = match open_at(dir.as_raw_fd(), name, flags, 0) {
+            Err(e) if create && e.raw_os_error() == Some(libc::ENOENT) => {
+                sys::mkdirat(dir.as_raw_fd(), name, 0o755)?;
+                open_at(dir.as_raw_fd(), name, flags, 0)?
+            }
+            r => r?,
+        };
+    }
+    open_at(dir.as_raw_fd(), last, flags, mode)
+}
+
+/// Runs `f` with the file-system identity of the command user (`run_as`), so uploads are
+/// theirs and a download reads only what they could: the init itself is root in the
+/// sandbox. Per thread (`setfsuid`), restored after.
+fn as_command_user<T>(cfg: &InitConfig, f: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
+    let Some(uid) = cfg.run_as else {
+        return f();
+    };
+    sys::set_fs_ids(uid);
+    let r = f();
+    sys::set_fs_ids(0);
+    r
+}
+
 fn work_path(p: &str) -> io::Result<PathBuf> {
-    let rel = p.strip_prefix("/work").unwrap_or(p).trim_start_matches('/');
-    let rel = Path::new(rel);
-    if rel.as_os_str().is_empty() || rel.components().any(|c| !matches!(c, Component::Normal(_))) {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "path must name a file under /work without `..`",
-        ));
-    }
-    Ok(Path::new("/work").join(rel))
+    crate::protocol::work_relative(p).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
 }
 
-fn write_file(p: &Path, mode: u32, data: &[u8]) -> io::Result<()> {
-    if let Some(parent) = p.parent() {
-        std::fs::create_dir_all(parent)?;
-    }
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(mode)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(p)?;
-    f.write_all(data)?;
-    f.set_permissions(std::fs::Permissions::from_mode(mode))?;
-    Ok(())
+fn write_file(cfg: &InitConfig, rel: &Path, mode: u32, data: &[u8]) -> io::Result<()> {
+    as_command_user(cfg, || {
+        let mut f = open_beneath(rel, libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC, mode & 0o777, true)?;
+        f.write_all(data)?;
+        f.set_permissions(std::fs::Permissions::from_mode(mode & 0o777))
+    })
 }
 
-fn read_file(p: &Path, max: u64) -> io::Result<Vec<u8>> {
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(p)?;
-    let len = f.metadata()?.len();
-    if len > max {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("file is {len} bytes, over the limit of {max}"),
-        ));
-    }
-    let mut v = Vec::with_capacity(len as usize);
-    f.take(max).read_to_end(&mut v)?;
-    Ok(v)
+fn read_file(cfg: &InitConfig, rel: &Path, max: u64) -> io::Result<Vec<u8>> {
+    as_command_user(cfg, || {
+        let f = open_beneath(rel, libc::O_RDONLY, 0, false)?;
+        let md = f.metadata()?;
+        if !md.is_file() {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
+        }
+        let len = md.len();
+        if len > max {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("file is {len} bytes, over the limit of {max}"),
+            ));
+        }
+        let mut v = Vec::with_capacity(len as usize);
+        f.take(max).read_to_end(&mut v)?;
+        Ok(v)
+    })
 }
 
 /// The command's program (looked up on its `PATH`), arguments, environment, directory,

@@ -374,3 +374,44 @@ mod tests {
         assert!(errs[1].contains("limits.processes must be positive"));
     }
 }
+
+/// A path the file API takes, as a path relative to `/work`: `/work/a/b`, `a/b` and
+/// `./a/b` name the same file; anything else absolute (`/etc/x`, `/workshop/x`), `..`,
+/// and an empty path are refused with the reason.
+pub fn work_relative(p: &str) -> Result<std::path::PathBuf, String> {
+    use std::path::{Component, Path};
+    let path = Path::new(p);
+    let rel = if path.is_absolute() {
+        path.strip_prefix("/work")
+            .map_err(|_| format!("`{p}` is not under /work"))?
+    } else {
+        path
+    };
+    let mut out = std::path::PathBuf::new();
+    for c in rel.components() {
+        match c {
+            Component::Normal(n) => out.push(n),
+            Component::CurDir => {}
+            _ => return Err(format!("`{p}` leaves /work (`..` is not allowed)")),
+        }
+    }
+    if out.as_os_str().is_empty() {
+        return Err(format!("`{p}` names no file under /work"));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod work_paths {
+    use super::work_relative;
+
+    #[test]
+    fn prefixes_are_stripped_by_component() {
+        assert_eq!(work_relative("/work/a/b").unwrap().to_str(), Some("a/b"));
+        assert_eq!(work_relative("a/./b").unwrap().to_str(), Some("a/b"));
+        assert_eq!(work_relative("./main.py").unwrap().to_str(), Some("main.py"));
+        for bad in ["/workshop/x", "/etc/passwd", "a/../../x", "/work", "", "/work/.."] {
+            assert!(work_relative(bad).is_err(), "{bad} accepted");
+        }
+    }
+}

@@ -651,3 +651,40 @@ extern "C" fn child(arg: *mut libc::c_void) -> libc::c_int {
     }
     fail(6)
 }
+
+/// `openat(dir, name, flags | O_CLOEXEC, mode)` as an owned file.
+pub fn openat(dir: RawFd, name: &std::ffi::CStr, flags: libc::c_int, mode: u32) -> io::Result<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: `name` is NUL-terminated; the descriptor returned is fresh and owned by the File.
+    let fd = unsafe { libc::openat(dir, name.as_ptr(), flags | libc::O_CLOEXEC, mode) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+}
+
+/// `mkdirat(dir, name, mode)`.
+pub fn mkdirat(dir: RawFd, name: &std::ffi::CStr, mode: u32) -> io::Result<()> {
+    // SAFETY: `name` is NUL-terminated.
+    if unsafe { libc::mkdirat(dir, name.as_ptr(), mode) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Sets this thread's file-system uid and gid (`setfsuid`, `setfsgid`).
+pub fn set_fs_ids(id: u32) {
+    // SAFETY: changes only the calling thread's file-system ids.
+    // Group first on the way down, user first on the way back to root (a non-zero fsuid
+    // has no file capabilities).
+    unsafe {
+        if id == 0 {
+            libc::setfsuid(id);
+            libc::setfsgid(id);
+        } else {
+            libc::setfsgid(id);
+            libc::setfsuid(id);
+        }
+    }
+}

@@ -375,3 +375,53 @@ attempt("bpf", lambda: libc.syscall(321, 0, None, 0))
     assert_eq!(r.stdout.matches("DENIED errno=1").count(), 7, "{}", r.stdout);
     assert_host_clean(&pool);
 }
+
+/// The session file API is aimed through links a command planted: at the init's own
+/// `/proc` entries (its memory map names host paths) and at `/dev` (an upload would create
+/// a file there as the sandbox's root). No link is followed, on any component; uploads
+/// belong to the command's user; paths outside /work are refused, by component.
+#[test]
+fn the_file_api_follows_no_planted_link() {
+    let pool = pool(10);
+    let mut s = pool.take().unwrap();
+    let r = s.exec(&ExecRequest::python(
+        "import os\n\
+         os.symlink('/proc/1', 'p')\n\
+         os.symlink('/dev', 'd')\n\
+         os.symlink('/etc', 'e')\n\
+         os.makedirs('real/sub')\n\
+         os.symlink('/proc/1/maps', 'real/maps')\n",
+    ));
+    assert_eq!(r.status, ExecStatus::Ok, "{r:?}");
+    for path in ["p/maps", "/work/p/environ", "real/maps", "e/passwd"] {
+        let e = s.read_file(path, 1 << 20);
+        assert!(
+            e.is_err(),
+            "download of {path} followed a link: {:?}",
+            e.map(|d| String::from_utf8_lossy(&d).into_owned())
+        );
+    }
+    for path in ["d/planted", "p/planted", "e/planted"] {
+        let e = s.write_file(path, b"x", 0o644).expect_err(path).to_string();
+        assert!(e.contains("symbolic link"), "{path}: {e}");
+    }
+    let r = s.exec(&ExecRequest::new([
+        "sh",
+        "-c",
+        "ls /dev; test ! -e /dev/planted && echo clean",
+    ]));
+    assert!(r.stdout.ends_with("clean\n"), "an upload landed in /dev: {r:?}");
+    // Paths outside /work, by component: /workshop is not /work.
+    for path in ["/workshop/x", "/etc/passwd", "../x"] {
+        assert!(s.write_file(path, b"x", 0o644).is_err(), "{path} accepted");
+    }
+    // Uploads are the command user's: the command may rewrite them.
+    s.write_file("real/sub/mine.txt", b"upload", 0o644).unwrap();
+    let r = s.exec(&ExecRequest::python(
+        "open('real/sub/mine.txt', 'a').write(' and more'); print(open('real/sub/mine.txt').read())",
+    ));
+    assert_eq!(r.stdout, "upload and more\n", "{r:?}");
+    assert_eq!(s.read_file("real/sub/mine.txt", 100).unwrap(), b"upload and more");
+    drop(s);
+    assert_host_clean(&pool);
+}
