@@ -646,6 +646,9 @@ fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
     let mut exit = None;
     let mut buf = vec![0u8; 64 << 10];
     let deadline = started + std::time::Duration::from_millis(l.wall_ms);
+    const CPU_CHECK: std::time::Duration = std::time::Duration::from_millis(50);
+    let mut next_cpu_check = started + CPU_CHECK;
+    let mut tree_cpu_over = false;
     while exit.is_none() || out_open || err_open {
         if exit.is_none() {
             exit = sys::try_wait(pid).ok().flatten();
@@ -658,6 +661,16 @@ fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
         if now >= deadline && !raw.timed_out && exit.is_none() {
             raw.timed_out = true;
             let _ = sys::kill(-1, libc::SIGKILL);
+        }
+        // `RLIMIT_CPU` binds each process; the limit is on the tree (six busy children
+        // must not get six times the CPU). Killed with SIGKILL over it, which the host
+        // reports as the CPU limit.
+        if exit.is_none() && !tree_cpu_over && now >= next_cpu_check {
+            next_cpu_check = now + CPU_CHECK;
+            if sys::tree_cpu_ms().saturating_sub(cpu_before) >= l.cpu_secs.saturating_mul(1000) {
+                tree_cpu_over = true;
+                let _ = sys::kill(-1, libc::SIGKILL);
+            }
         }
         if raw.output_limit.is_some() || raw.timed_out {
             // Drain what is buffered without waiting for more.
@@ -680,7 +693,8 @@ fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
             fds.push((p.as_raw_fd(), libc::POLLIN));
         }
         // With a pidfd, poll wakes at the exit; without one, look every 2 ms.
-        let cap = if exit_fd.is_some() { 1000 } else { 2 };
+        // The tree's CPU time is looked at every 50 ms.
+        let cap = if exit_fd.is_some() { CPU_CHECK.as_millis() } else { 2 };
         let wait = if exit.is_some() {
             0
         } else {

@@ -250,6 +250,41 @@ pub fn children_cpu_ms() -> u64 {
     tv_ms(ru.ru_utime) + tv_ms(ru.ru_stime)
 }
 
+/// CPU time of the whole process tree under this pid namespace's init, in ms: everything
+/// reaped so far ([`children_cpu_ms`]) plus every live process's own and waited-for
+/// children's time from `/proc/PID/stat` (pid 1, the init itself, aside). For a limit on
+/// the tree: `RLIMIT_CPU` counts per process.
+pub fn tree_cpu_ms() -> u64 {
+    // SAFETY: sysconf reads a constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    let mut ticks = 0u64;
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for e in dir.flatten() {
+            let name = e.file_name();
+            let Some(pid) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            if pid == 1 {
+                continue;
+            }
+            let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+                continue;
+            };
+            // Fields after the command name: state is field 3, utime 14 ... cstime 17.
+            let Some((_, rest)) = stat.rsplit_once(')') else {
+                continue;
+            };
+            ticks += rest
+                .split_whitespace()
+                .skip(11)
+                .take(4)
+                .filter_map(|f| f.parse::<u64>().ok())
+                .sum::<u64>();
+        }
+    }
+    children_cpu_ms() + ticks * 1000 / hz
+}
+
 /// `poll(2)` on `(fd, events)`; returns the `revents` per fd.
 pub fn poll(fds: &[(RawFd, i16)], timeout_ms: i32) -> io::Result<Vec<i16>> {
     let mut p: Vec<libc::pollfd> = fds

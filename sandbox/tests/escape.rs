@@ -249,6 +249,24 @@ fn an_infinite_cpu_loop_hits_the_cpu_limit_and_sleeping_forever_the_wall_clock()
     assert!(r.reason.contains("CPU limit of 1 s"), "{r:?}");
     assert!(r.cpu_ms >= 900 && r.wall_ms < 5000.0, "{r:?}");
 
+    // The limit is on the tree: six busy children share one second, not one each.
+    let r = run(
+        &pool,
+        "import os\nfor _ in range(6):\n    if os.fork() == 0:\n        while True: pass\nos.wait()",
+        Limits {
+            cpu_secs: 1,
+            wall_ms: 10_000,
+            ..Limits::default()
+        },
+    );
+    assert_eq!(r.status, ExecStatus::Timeout, "{r:?}");
+    assert!(r.reason.contains("CPU limit of 1 s"), "{r:?}");
+    assert!(
+        r.cpu_ms >= 900 && r.cpu_ms < 2_500,
+        "the tree used {} ms of CPU: {r:?}",
+        r.cpu_ms
+    );
+
     let started = Instant::now();
     let r = pool.exec(&ExecRequest::new(["sleep", "infinity"]).with_limits(Limits {
         wall_ms: 500,
