@@ -315,7 +315,7 @@ async fn stage_spans_are_exported_over_otlp() {
     let bus = bus::connect(&url).await.unwrap();
     send_metrics_when_ready(&bus, &topic, 3).await;
     // flush_rows 1: every input is committed once processed (inside its span).
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
     loop {
         if archive_committed(&bus, &topic).await == 3 {
             break;
