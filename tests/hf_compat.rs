@@ -58,12 +58,20 @@ fn checkpoints_load_in_transformers_with_the_same_logits() {
         ours.push((d, v["logits"].clone()));
     }
     let (python, path) = common::python_with(&["torch==2.15.0", "transformers==5.24.0"]);
-    let mut cmd = Command::new(&python);
-    cmd.arg("-c").arg(CHECK).arg(tokens).args(ours.iter().map(|(d, _)| d));
-    if let Some(p) = &path {
-        cmd.env("PYTHONPATH", p);
-    }
-    let out = cmd.output().unwrap();
+    // `script` run by the interpreter that has torch and transformers.
+    let python_script = |script: &str| {
+        let mut cmd = Command::new(&python);
+        cmd.arg("-c").arg(script);
+        if let Some(p) = &path {
+            cmd.env("PYTHONPATH", p);
+        }
+        cmd
+    };
+    let out = python_script(CHECK)
+        .arg(tokens)
+        .args(ours.iter().map(|(d, _)| d))
+        .output()
+        .unwrap();
     assert!(
         out.status.success(),
         "transformers failed: {}",
@@ -90,12 +98,7 @@ fn checkpoints_load_in_transformers_with_the_same_logits() {
     // with tokenizer_config.json's special tokens, and agree with streamrl's tokenizer.
     let d = &ours[0].0;
     let text = "12+30=42\nWhat is 7*8? {x}~<eos>";
-    let mut cmd = Command::new(&python);
-    cmd.arg("-c").arg(TOKENIZER_CHECK).arg(d).arg(text);
-    if let Some(p) = &path {
-        cmd.env("PYTHONPATH", p);
-    }
-    let out = cmd.output().unwrap();
+    let out = python_script(TOKENIZER_CHECK).arg(d).arg(text).output().unwrap();
     assert!(
         out.status.success(),
         "AutoTokenizer failed on {}: {}",

@@ -268,28 +268,43 @@ impl TrainerStage {
         Ok(())
     }
 
-    /// The newest version the `policy` topic holds, read from the topic itself. An end of
-    /// run counts as the version it closed (`max_steps`): it is sent right after it.
-    async fn newest_on_policy(&self) -> Result<Option<u64>, StageError> {
+    /// The newest message of each partition of `topic`, each with its headers and, for a
+    /// data message, its rows of `schema` (`None` for a signal).
+    async fn newest_on(
+        &self,
+        topic: &str,
+        schema: SchemaId,
+    ) -> Result<Vec<(streamrl_schemas::Headers, Option<arrow::record_batch::RecordBatch>)>, StageError> {
         let Some(bus) = &self.ctx.bus else {
-            return Ok(None);
+            return Ok(Vec::new());
         };
-        let topic = &self.policy_topic;
         let newest = streamrl_runtime::bus::newest(bus.0.as_ref(), topic, std::time::Duration::from_secs(60))
             .await
             .map_err(|e| StageError::external(format!("reading what `{topic}` holds: {e}")))?;
+        newest
+            .into_iter()
+            .map(|m| {
+                let bad =
+                    |e: streamrl_schemas::Error| StageError::internal(format!("`{topic}` offset {}: {e}", m.offset));
+                let headers = streamrl_schemas::Headers::from_wire(&m.headers).map_err(bad)?;
+                let batch = match headers.signal {
+                    Some(_) => None,
+                    None => Some(streamrl_schemas::codec::decode(schema, &m.headers, &m.payload).map_err(bad)?),
+                };
+                Ok((headers, batch))
+            })
+            .collect()
+    }
+
+    /// The newest version the `policy` topic holds, read from the topic itself. An end of
+    /// run counts as the version it closed (`max_steps`): it is sent right after it.
+    async fn newest_on_policy(&self) -> Result<Option<u64>, StageError> {
         let mut best: Option<u64> = None;
-        for m in newest {
-            let headers = streamrl_schemas::Headers::from_wire(&m.headers)
-                .map_err(|e| StageError::internal(format!("`{topic}` offset {}: {e}", m.offset)))?;
-            let version = match headers.signal {
-                Some(Signal::EndOfRun) => self.cfg.max_steps,
-                Some(_) => None,
-                None => {
-                    let batch = streamrl_schemas::codec::decode(SchemaId::Policy, &m.headers, &m.payload)
-                        .map_err(|e| StageError::internal(format!("`{topic}` offset {}: {e}", m.offset)))?;
-                    rows::<PolicyRow>(&batch)?.iter().map(|r| r.step).max()
-                }
+        for (headers, batch) in self.newest_on(&self.policy_topic, SchemaId::Policy).await? {
+            let version = match (headers.signal, batch) {
+                (Some(Signal::EndOfRun), _) => self.cfg.max_steps,
+                (_, Some(batch)) => rows::<PolicyRow>(&batch)?.iter().map(|r| r.step).max(),
+                _ => None,
             };
             best = best.max(version);
         }
@@ -302,22 +317,15 @@ impl TrainerStage {
     /// so that lineage is the newest message of its partition. (With a key on `trained`,
     /// the lineage is several messages and a kill between them is not told apart.)
     async fn lineage_on_bus(&self) -> Result<bool, StageError> {
-        let (Some(bus), Some(topic)) = (&self.ctx.bus, &self.trained_topic) else {
+        let Some(topic) = &self.trained_topic else {
             return Ok(false);
         };
         if self.last_lineage.is_empty() {
             return Ok(false);
         }
-        let newest = streamrl_runtime::bus::newest(bus.0.as_ref(), topic, std::time::Duration::from_secs(60))
-            .await
-            .map_err(|e| StageError::external(format!("reading what `{topic}` holds: {e}")))?;
         let consumed = [Outcome::Trained, Outcome::Filtered, Outcome::Stale].map(Outcome::name);
-        for m in newest {
-            if streamrl_schemas::Headers::from_wire(&m.headers).is_ok_and(|h| h.signal.is_some()) {
-                continue;
-            }
-            let batch = streamrl_schemas::codec::decode(SchemaId::Trained, &m.headers, &m.payload)
-                .map_err(|e| StageError::internal(format!("`{topic}` offset {}: {e}", m.offset)))?;
+        for (_, batch) in self.newest_on(topic, SchemaId::Trained).await? {
+            let Some(batch) = batch else { continue };
             let found = rows::<TrainedRow>(&batch)?
                 .iter()
                 .any(|r| r.version as u64 == self.version && consumed.contains(&r.outcome.as_str()));
@@ -330,6 +338,18 @@ impl TrainerStage {
             }
         }
         Ok(false)
+    }
+
+    /// Records in `checkpoints/published` that the bus holds version `v`.
+    fn record_published(&mut self, v: u64) -> Result<(), StageError> {
+        let path = self.store.join("published");
+        let tmp = self.store.join("published.tmp");
+        std::fs::create_dir_all(&self.store)
+            .and_then(|()| std::fs::write(&tmp, v.to_string()))
+            .and_then(|()| std::fs::rename(&tmp, &path))
+            .map_err(|e| StageError::internal(format!("recording published version {v} in {}: {e}", path.display())))?;
+        self.published = Some(v);
+        Ok(())
     }
 
     /// The oldest admitted step whose sample ids are still remembered.
@@ -614,8 +634,7 @@ impl Stage for TrainerStage {
             if let Some(v) = self.newest_on_policy().await? {
                 tracing::info!(on_policy = v, saved = self.version, "trainer: newest version on policy");
                 if v >= self.version {
-                    self.publishing = Some(self.version);
-                    self.delivered()?;
+                    self.record_published(self.version)?;
                     unpublished = false;
                 }
             }
@@ -695,17 +714,10 @@ impl Stage for TrainerStage {
     }
 
     fn delivered(&mut self) -> Result<(), StageError> {
-        let Some(v) = self.publishing.take() else {
-            return Ok(());
-        };
-        let path = self.store.join("published");
-        let tmp = self.store.join("published.tmp");
-        std::fs::create_dir_all(&self.store)
-            .and_then(|()| std::fs::write(&tmp, v.to_string()))
-            .and_then(|()| std::fs::rename(&tmp, &path))
-            .map_err(|e| StageError::internal(format!("recording published version {v} in {}: {e}", path.display())))?;
-        self.published = Some(v);
-        Ok(())
+        match self.publishing.take() {
+            Some(v) => self.record_published(v),
+            None => Ok(()),
+        }
     }
 
     fn tick_interval(&self) -> Option<std::time::Duration> {

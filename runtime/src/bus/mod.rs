@@ -328,6 +328,14 @@ pub async fn newest(bus: &dyn Bus, topic: &str, patience: std::time::Duration) -
     if last.is_empty() {
         return Ok(Vec::new());
     }
+    // The newest message read of each partition asked about wins.
+    fn keep(last: &mut std::collections::BTreeMap<u32, Option<Message>>, m: Message) {
+        if let Some(slot) = last.get_mut(&m.partition)
+            && slot.as_ref().is_none_or(|old| old.offset < m.offset)
+        {
+            *slot = Some(m);
+        }
+    }
     let mut reader = bus.broadcast(topic).await?;
     let deadline = tokio::time::Instant::now() + patience;
     let ends: std::collections::BTreeMap<u32, u64> = stats.iter().map(|s| (s.partition, s.end_offset)).collect();
@@ -344,22 +352,13 @@ pub async fn newest(bus: &dyn Bus, topic: &str, patience: std::time::Duration) -
                 op: format!("reading the newest message of each partition of `{topic}`"),
                 secs: patience.as_secs(),
             })??;
-        if let Some(slot) = last.get_mut(&m.partition)
-            && slot.as_ref().is_none_or(|old| old.offset < m.offset)
-        {
-            *slot = Some(m);
-        }
+        keep(&mut last, m);
     }
     // Some brokers (tansu) report a partition's end as one past its last record *batch*,
     // not its last record: the rest of that batch follows at once, so read on until the
     // reader has been quiet for a moment.
     while let Ok(m) = tokio::time::timeout(std::time::Duration::from_millis(300), reader.recv()).await {
-        let m = m?;
-        if let Some(slot) = last.get_mut(&m.partition)
-            && slot.as_ref().is_none_or(|old| old.offset < m.offset)
-        {
-            *slot = Some(m);
-        }
+        keep(&mut last, m?);
     }
     reader.close().await?;
     Ok(last.into_values().flatten().collect())
