@@ -43,20 +43,36 @@ async fn send_metrics_when_ready(bus: &std::sync::Arc<dyn bus::Bus>, topic: &str
     }
 }
 
-/// Offsets the `archive` group has committed on `topic`, summed over partitions.
-async fn archive_committed(bus: &std::sync::Arc<dyn bus::Bus>, topic: &str) -> u64 {
-    let stats = bus.topic_stats(topic, &["archive".to_string()]).await.unwrap();
+/// SIGKILLs a child process if the test panics, so a failed test leaves no stage running.
+struct KillOnPanic(u32);
+
+impl Drop for KillOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let _ = Command::new("kill").args(["-KILL", &self.0.to_string()]).status();
+        }
+    }
+}
+
+/// Offsets the archive stage `stage` (its consumer group) has committed on `topic`,
+/// summed over partitions.
+async fn archive_committed(bus: &std::sync::Arc<dyn bus::Bus>, stage: &str, topic: &str) -> u64 {
+    let stats = bus.topic_stats(topic, &[stage.to_string()]).await.unwrap();
     stats.iter().map(|s| s.committed[0].1.unwrap_or(0)).sum()
 }
 
-fn topology(dir: &Path, metrics_topic: &str, flush_rows: usize) -> PathBuf {
+/// A topology with one archive stage named `stage`. Tests in this binary share one broker,
+/// and a stage's name is its consumer group: each test names its stage differently, since
+/// on tansu a group whose members subscribe different topics can stall with no partitions
+/// assigned (seen: three minutes without an assignment after another test's member left).
+fn topology(dir: &Path, stage: &str, metrics_topic: &str, flush_rows: usize) -> PathBuf {
     let path = dir.join("topology.yaml");
     let dl = format!("{metrics_topic}-dlq");
     std::fs::write(
         &path,
         format!(
             "bus: memory://\nrun_dir: {run}\ndead_letter: {dl}\ntopics:\n  {metrics_topic}: {{ schema: metrics, partitions: 2 }}\n  {dl}: {{ schema: dead_letter }}\n\
-             stages:\n  archive: {{ kind: archive, inputs: all, config: {{ flush_rows: {flush_rows}, flush_seconds: 3600 }} }}\n",
+             stages:\n  {stage}: {{ kind: archive, inputs: all, config: {{ flush_rows: {flush_rows}, flush_seconds: 3600 }} }}\n",
             run = dir.join("run").display()
         ),
     )
@@ -69,18 +85,20 @@ async fn stage_process_flushes_and_commits_on_sigterm() {
     let url = common::kafka_url();
     let dir = tempfile::tempdir().unwrap();
     let topic = common::unique("metrics");
-    let topo = topology(dir.path(), &topic, 4);
+    let stage = "archive_sigterm";
+    let topo = topology(dir.path(), stage, &topic, 4);
     let mut child = Command::new(env!("CARGO_BIN_EXE_streamrl"))
-        .args(["stage", "archive", "--bus", &url, "--topology"])
+        .args(["stage", stage, "--bus", &url, "--topology"])
         .arg(&topo)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let _reaper = KillOnPanic(child.id());
     let bus = bus::connect(&url).await.unwrap();
     send_metrics_when_ready(&bus, &topic, 10).await;
     // flush_rows 4: 8 rows reach disk and are committed; 2 stay held (unacknowledged).
-    let committed = || archive_committed(&bus, &topic);
+    let committed = || archive_committed(&bus, stage, &topic);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while committed().await < 8 {
         assert!(
@@ -304,25 +322,30 @@ async fn stage_spans_are_exported_over_otlp() {
     let log = dir.path().join("otlp.log");
     let (mut sink, port) = otlp_sink(&log);
     let topic = common::unique("metrics");
-    let topo = topology(dir.path(), &topic, 1);
+    let stage = "archive_otlp";
+    let topo = topology(dir.path(), stage, &topic, 1);
     let mut child = Command::new(env!("CARGO_BIN_EXE_streamrl"))
-        .args(["stage", "archive", "--bus", &url, "--topology"])
+        .args(["stage", stage, "--bus", &url, "--topology"])
         .arg(&topo)
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://127.0.0.1:{port}"))
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("stage.log")).unwrap())
         .spawn()
         .unwrap();
+    let _reapers = [KillOnPanic(child.id()), KillOnPanic(sink.id())];
+    let stage_log = || std::fs::read_to_string(dir.path().join("stage.log")).unwrap_or_default();
     let bus = bus::connect(&url).await.unwrap();
     send_metrics_when_ready(&bus, &topic, 3).await;
     // flush_rows 1: every input is committed once processed (inside its span).
     let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
     loop {
-        if archive_committed(&bus, &topic).await == 3 {
+        if archive_committed(&bus, stage, &topic).await == 3 {
             break;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "archive did not process the inputs"
+            "archive did not process the inputs; committed {}; the stage's log:\n{}",
+            archive_committed(&bus, stage, &topic).await,
+            stage_log()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
