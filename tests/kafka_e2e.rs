@@ -43,13 +43,25 @@ async fn send_metrics_when_ready(bus: &std::sync::Arc<dyn bus::Bus>, topic: &str
     }
 }
 
-/// SIGKILLs a child process if the test panics, so a failed test leaves no stage running.
-struct KillOnPanic(u32);
+/// SIGKILLs a child process (by pid: the test moves the `Child` away to wait on it) if the
+/// test panics before the child is reaped, so a failed test leaves no stage running.
+struct KillOnPanic(Option<u32>);
+
+impl KillOnPanic {
+    fn new(child: &std::process::Child) -> Self {
+        KillOnPanic(Some(child.id()))
+    }
+
+    /// The child has been waited for: its pid may be reused, so never signal it.
+    fn reaped(mut self) {
+        self.0 = None;
+    }
+}
 
 impl Drop for KillOnPanic {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            let _ = Command::new("kill").args(["-KILL", &self.0.to_string()]).status();
+        if let Some(pid) = self.0.filter(|_| std::thread::panicking()) {
+            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
         }
     }
 }
@@ -94,7 +106,7 @@ async fn stage_process_flushes_and_commits_on_sigterm() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let _reaper = KillOnPanic(child.id());
+    let reaper = KillOnPanic::new(&child);
     let bus = bus::connect(&url).await.unwrap();
     send_metrics_when_ready(&bus, &topic, 10).await;
     // flush_rows 4: 8 rows reach disk and are committed; 2 stay held (unacknowledged).
@@ -132,6 +144,7 @@ async fn stage_process_flushes_and_commits_on_sigterm() {
     })
     .await
     .unwrap();
+    reaper.reaped();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "exit {:?}:\n{stderr}", out.status);
     assert!(stderr.contains("stopped cleanly"), "{stderr}");
@@ -324,28 +337,28 @@ async fn stage_spans_are_exported_over_otlp() {
     let topic = common::unique("metrics");
     let stage = "archive_otlp";
     let topo = topology(dir.path(), stage, &topic, 1);
+    let stage_log = dir.path().join("stage.log");
     let mut child = Command::new(env!("CARGO_BIN_EXE_streamrl"))
         .args(["stage", stage, "--bus", &url, "--topology"])
         .arg(&topo)
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://127.0.0.1:{port}"))
-        .stderr(std::fs::File::create(dir.path().join("stage.log")).unwrap())
+        .stderr(std::fs::File::create(&stage_log).unwrap())
         .spawn()
         .unwrap();
-    let _reapers = [KillOnPanic(child.id()), KillOnPanic(sink.id())];
-    let stage_log = || std::fs::read_to_string(dir.path().join("stage.log")).unwrap_or_default();
+    let (reaper, _sink_reaper) = (KillOnPanic::new(&child), KillOnPanic::new(&sink));
     let bus = bus::connect(&url).await.unwrap();
     send_metrics_when_ready(&bus, &topic, 3).await;
     // flush_rows 1: every input is committed once processed (inside its span).
     let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
     loop {
-        if archive_committed(&bus, stage, &topic).await == 3 {
+        let committed = archive_committed(&bus, stage, &topic).await;
+        if committed == 3 {
             break;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "archive did not process the inputs; committed {}; the stage's log:\n{}",
-            archive_committed(&bus, stage, &topic).await,
-            stage_log()
+            "archive did not process the inputs; committed {committed}; the stage's log:\n{}",
+            std::fs::read_to_string(&stage_log).unwrap_or_default()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -359,6 +372,7 @@ async fn stage_spans_are_exported_over_otlp() {
     let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
         .await
         .unwrap();
+    reaper.reaped();
     assert!(status.success(), "stage exit {status:?}");
     // The batch exporter flushes at shutdown.
     let text = std::fs::read_to_string(&log).unwrap_or_default();
