@@ -1,10 +1,19 @@
-//! A checkpoint written by streamrl loads in Hugging Face `transformers` (PyPI) with the
-//! same logits: dense Qwen3 (q/k norm, tied embeddings, GQA), Qwen2 (attention bias),
-//! Llama (untied head) and Qwen3-MoE (4 experts, top 2).
+//! Checkpoints cross between streamrl and Hugging Face `transformers` (PyPI) with the same
+//! logits, both ways:
+//! * written by streamrl, loaded by transformers: dense Qwen3 (q/k norm, tied embeddings,
+//!   GQA), Qwen2 (attention bias), Llama (untied head) and Qwen3-MoE (4 experts, top 2);
+//! * saved by transformers 5, loaded by streamrl: every family and each config variant
+//!   streamrl supports (both RoPE config layouts, Llama 3 and linear RoPE scaling, Llama
+//!   and Qwen3 biases, sliding windows that are off or span the context); the variants it
+//!   cannot compute (YaRN and dynamic RoPE, active sliding windows, tensors the config
+//!   does not use) are refused with an error naming them.
 
 mod common;
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
+
+use serde_json::{Value, json};
 
 const CHECK: &str = r#"
 import json, sys, torch
@@ -122,3 +131,253 @@ t = AutoTokenizer.from_pretrained(sys.argv[1])
 ids = t.encode(sys.argv[2], add_special_tokens=False)
 print(json.dumps({"ids": ids, "decoded": t.decode(ids), "eos": t.eos_token, "eos_id": t.eos_token_id}))
 "#;
+
+/// Builds each model of the spec `{name: {model_type, ...config}}` in transformers with
+/// random weights (norms near 1, biases included), saves it under `root/name` and prints
+/// its logits for the tokens.
+const BUILD: &str = r#"
+import json, sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+spec, root = json.loads(sys.argv[1]), sys.argv[2]
+toks = [int(t) for t in sys.argv[3].split(",")]
+out = {}
+for name, kw in spec.items():
+    kw = dict(kw)
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.15)
+        logits = m(torch.tensor([toks])).logits[0].tolist()
+    m.save_pretrained(f"{root}/{name}")
+    out[name] = {"class": type(m).__name__, "logits": logits}
+print(json.dumps(out))
+"#;
+
+/// `streamrl model logits` of a checkpoint: the logits, or the error it printed.
+fn streamrl_logits(dir: &Path, tokens: &str) -> Result<Vec<Vec<f64>>, String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_streamrl"))
+        .args(["model", "logits", "--tokens", tokens, "--checkpoint"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    Ok(serde_json::from_value(v["logits"].clone()).unwrap())
+}
+
+fn max_diff(a: &[Vec<f64>], b: &Value) -> f64 {
+    let b: Vec<Vec<f64>> = serde_json::from_value(b.clone()).unwrap();
+    assert_eq!(a.len(), b.len(), "one row per token");
+    a.iter()
+        .zip(&b)
+        .flat_map(|(x, y)| {
+            assert_eq!(x.len(), y.len(), "vocabulary");
+            x.iter().zip(y).map(|(x, y)| (x - y).abs())
+        })
+        .fold(0.0, f64::max)
+}
+
+/// A copy of checkpoint `dir` at `to` with `edit` applied to its config.json.
+fn with_config(dir: &Path, to: PathBuf, edit: impl FnOnce(&mut serde_json::Map<String, Value>)) -> PathBuf {
+    std::fs::create_dir_all(&to).unwrap();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+    let path = to.join("config.json");
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(cfg.as_object_mut().unwrap());
+    std::fs::write(&path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+    to
+}
+
+#[test]
+fn checkpoints_saved_by_transformers_load_with_the_same_logits_or_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    // 24 positions: past the windows and original contexts below, where RoPE scaling and
+    // sliding windows change the logits.
+    let tokens: String = (0..24)
+        .map(|i| ((i * 7 + 3) % 64).to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let model = |model_type: &str, extra: Value| -> Value {
+        let mut v = json!({
+            "model_type": model_type, "vocab_size": 64, "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+        });
+        v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        v
+    };
+    let llama3 = json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16});
+    let supported = [
+        (
+            "llama_rope_theta",
+            model(
+                "llama",
+                json!({"rope_parameters": {"rope_type": "default", "rope_theta": 300.0}}),
+            ),
+        ),
+        ("llama3_rope", model("llama", json!({"rope_parameters": llama3}))),
+        (
+            "llama_linear_rope",
+            model(
+                "llama",
+                json!({"rope_parameters": {"rope_type": "linear", "rope_theta": 1000.0, "factor": 4.0}}),
+            ),
+        ),
+        (
+            "llama_biases_tied",
+            model(
+                "llama",
+                json!({"attention_bias": true, "mlp_bias": true, "tie_word_embeddings": true}),
+            ),
+        ),
+        ("mistral", model("mistral", json!({"sliding_window": null}))),
+        (
+            "mistral_window_spans_context",
+            model("mistral", json!({"sliding_window": 64})),
+        ),
+        (
+            "mixtral",
+            model("mixtral", json!({"num_local_experts": 4, "num_experts_per_tok": 2})),
+        ),
+        ("qwen2", model("qwen2", json!({}))),
+        (
+            "qwen3_attention_bias",
+            model("qwen3", json!({"attention_bias": true, "head_dim": 16})),
+        ),
+        (
+            "qwen3_window_spans_context",
+            model(
+                "qwen3",
+                json!({"use_sliding_window": true, "sliding_window": 64, "max_window_layers": 0}),
+            ),
+        ),
+        (
+            "qwen3_moe",
+            model(
+                "qwen3_moe",
+                json!({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": true}),
+            ),
+        ),
+    ];
+    let refused = [
+        (
+            "llama_yarn",
+            model(
+                "llama",
+                json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}}),
+            ),
+        ),
+        (
+            "llama_dynamic",
+            model(
+                "llama",
+                json!({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}),
+            ),
+        ),
+        ("mistral_window", model("mistral", json!({"sliding_window": 8}))),
+        (
+            "qwen2_window",
+            model(
+                "qwen2",
+                json!({"use_sliding_window": true, "sliding_window": 8, "max_window_layers": 1}),
+            ),
+        ),
+    ];
+    let spec: serde_json::Map<String, Value> = supported
+        .iter()
+        .chain(&refused)
+        .map(|(name, cfg)| (name.to_string(), cfg.clone()))
+        .collect();
+    let (python, path) = common::python_with(&["torch==2.15.0", "transformers==5.24.0"]);
+    let mut cmd = Command::new(&python);
+    if let Some(p) = &path {
+        cmd.env("PYTHONPATH", p);
+    }
+    let out = cmd
+        .arg("-c")
+        .arg(BUILD)
+        .arg(Value::Object(spec).to_string())
+        .arg(dir.path())
+        .arg(&tokens)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "transformers failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let theirs: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let saved = |name: &str| dir.path().join(name);
+
+    for (name, _) in &supported {
+        let mine = streamrl_logits(&saved(name), &tokens).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let d = max_diff(&mine, &theirs[*name]["logits"]);
+        assert!(
+            d < 1e-4,
+            "{name} ({}): logits differ from transformers by up to {d}",
+            theirs[*name]["class"]
+        );
+    }
+
+    // transformers 4's layout: top-level rope_theta, rope_scaling with `type`.
+    let old = with_config(&saved("llama3_rope"), dir.path().join("llama3_old_layout"), |c| {
+        let mut rope = c.remove("rope_parameters").unwrap();
+        let rope = rope.as_object_mut().unwrap();
+        c.insert("rope_theta".into(), rope.remove("rope_theta").unwrap());
+        let kind = rope.remove("rope_type").unwrap();
+        rope.insert("type".into(), kind);
+        c.insert("rope_scaling".into(), Value::Object(rope.clone()));
+    });
+    let d = max_diff(
+        &streamrl_logits(&old, &tokens).unwrap(),
+        &theirs["llama3_rope"]["logits"],
+    );
+    assert!(d < 1e-4, "llama3 RoPE in the rope_scaling layout: off by {d}");
+
+    // The RoPE settings matter on these tokens: read as plain RoPE at the default base,
+    // each checkpoint's logits move well past the tolerance (so the checks above can fail).
+    for name in ["llama_rope_theta", "llama3_rope", "llama_linear_rope"] {
+        let plain = with_config(&saved(name), dir.path().join(format!("{name}_plain")), |c| {
+            c.insert(
+                "rope_parameters".into(),
+                json!({"rope_type": "default", "rope_theta": 10000.0}),
+            );
+        });
+        let d = max_diff(&streamrl_logits(&plain, &tokens).unwrap(), &theirs[name]["logits"]);
+        assert!(d > 1e-2, "{name}: plain RoPE gives nearly the same logits ({d})");
+    }
+
+    for (name, cfg) in &refused {
+        let err = streamrl_logits(&saved(name), &tokens).expect_err(name);
+        let want = match *name {
+            "llama_yarn" => "rope_parameters.rope_type `yarn` is not supported".to_string(),
+            "llama_dynamic" => "rope_parameters.rope_type `dynamic` is not supported".to_string(),
+            _ => format!("sliding_window {} is active", cfg["sliding_window"]),
+        };
+        assert!(err.contains(&want), "{name}: want {want:?} in {err}");
+    }
+
+    // Tensors the config does not use are an error, not ignored: the biased Llama read
+    // with its biases switched off.
+    let unbiased = with_config(&saved("llama_biases_tied"), dir.path().join("unbiased"), |c| {
+        c.insert("attention_bias".into(), json!(false));
+        c.insert("mlp_bias".into(), json!(false));
+    });
+    let err = streamrl_logits(&unbiased, &tokens).expect_err("unused bias tensors");
+    assert!(
+        err.contains("14 tensor(s) the Llama model does not use")
+            && err.contains("`model.layers.0.mlp.down_proj.bias`"),
+        "{err}"
+    );
+}

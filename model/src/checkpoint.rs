@@ -279,6 +279,27 @@ pub fn load(dir: &Path, device: &Device) -> Result<Loaded> {
                 Some(t) => var.set(&t.to_dtype(DType::F32)?)?,
             }
         }
+        // A tensor the model does not use means the checkpoint computes something this
+        // model would not (biases, extra norms, another architecture): refuse it. Two are
+        // harmless: RoPE tables some writers store, and a tied head's copy of the
+        // embedding.
+        let mut unused: Vec<&String> = weights
+            .keys()
+            .filter(|k| !data.contains_key(k.as_str()))
+            .filter(|k| !k.ends_with("rotary_emb.inv_freq"))
+            .filter(|k| !(loaded.config.tie_embeddings && k.as_str() == "lm_head.weight"))
+            .collect();
+        unused.sort();
+        if !unused.is_empty() {
+            let shown: Vec<String> = unused.iter().take(8).map(|k| format!("`{k}`")).collect();
+            problems.push(format!(
+                "{} tensor(s) the {:?} model does not use: {}{}",
+                unused.len(),
+                loaded.config.family,
+                shown.join(", "),
+                if unused.len() > 8 { ", …" } else { "" }
+            ));
+        }
     }
     if !problems.is_empty() {
         return Err(Error::Checkpoint {

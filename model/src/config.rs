@@ -68,18 +68,44 @@ pub struct HfConfig {
     /// RMSNorm epsilon.
     #[serde(default = "default_eps")]
     pub rms_norm_eps: f64,
-    /// RoPE base.
+    /// RoPE base (transformers < 5; transformers 5 writes it in `rope_parameters`, which
+    /// wins when both are present).
     #[serde(default = "default_theta")]
     pub rope_theta: f64,
+    /// transformers ≥ 5: the RoPE base and scaling (`rope_type`, `rope_theta`, `factor`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_parameters: Option<RopeParameters>,
+    /// transformers < 5: RoPE scaling (`rope_type` or `type`, `factor`, …); `null` for none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeParameters>,
+    /// Fraction of each head rotated by RoPE; only 1.0 (the whole head) is supported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial_rotary_factor: Option<f64>,
     /// Longest sequence the model is meant for.
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
     /// Whether the head shares the embedding matrix.
     #[serde(default)]
     pub tie_word_embeddings: bool,
-    /// Biases on q/k/v (Qwen2 sets true).
+    /// Biases on the attention projections: q/k/v/o for Llama, Qwen3 and Qwen3-MoE.
+    /// Qwen2 always has q/k/v biases and no o bias, whatever this says; Mistral and
+    /// Mixtral have none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_bias: Option<bool>,
+    /// Llama: biases on gate/up/down (other families have none and ignore the key).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlp_bias: Option<bool>,
+    /// Sliding-window attention width (Mistral, Mixtral; Qwen2/3 when
+    /// `use_sliding_window` or `layer_types` says so). Supported only when inactive or
+    /// at least `max_position_embeddings` wide, where it changes nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
+    /// Qwen2/3: whether `sliding_window` applies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub use_sliding_window: Option<bool>,
+    /// Per layer: `full_attention` or `sliding_attention` (transformers ≥ 4.53).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_types: Option<Vec<String>>,
     /// Experts per MoE layer (Qwen3-MoE `num_experts`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_experts: Option<usize>,
@@ -120,6 +146,90 @@ fn default_theta() -> f64 {
 }
 fn default_max_pos() -> usize {
     4096
+}
+
+/// RoPE settings as Hugging Face writes them: `rope_parameters` (transformers ≥ 5) or
+/// `rope_scaling` (earlier). Keys streamrl does not read are kept on save.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RopeParameters {
+    /// `default`, `linear` or `llama3` (others are refused). Older files say `type`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_type: Option<String>,
+    /// RoPE base.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    /// Scaling factor (`linear`, `llama3`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub factor: Option<f64>,
+    /// `llama3`: wavelengths above `original_max_position_embeddings / low_freq_factor`
+    /// are scaled by `factor`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub low_freq_factor: Option<f64>,
+    /// `llama3`: wavelengths below `original_max_position_embeddings / high_freq_factor`
+    /// are kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub high_freq_factor: Option<f64>,
+    /// `llama3`: the context length the model was pretrained with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub original_max_position_embeddings: Option<f64>,
+    /// Fraction of each head rotated; only 1.0 is supported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial_rotary_factor: Option<f64>,
+    /// Every other key (`type`, yarn's `beta_fast`, …), preserved on save.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// How RoPE's inverse frequencies are rescaled for a longer context.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// Position interpolation: every inverse frequency divided by `factor`.
+    Linear {
+        /// Divisor.
+        factor: f64,
+    },
+    /// Llama 3.x: low frequencies divided by `factor`, high ones kept, the band between
+    /// interpolated smoothly.
+    Llama3 {
+        /// Divisor of the low frequencies.
+        factor: f64,
+        /// Lower edge of the smoothed band, in `original / wavelength`.
+        low_freq_factor: f64,
+        /// Upper edge of the smoothed band.
+        high_freq_factor: f64,
+        /// Pretraining context length.
+        original_max_positions: f64,
+    },
+}
+
+impl RopeScaling {
+    /// The inverse frequencies of RoPE base `theta` over `head_dim`, scaled (Hugging Face's
+    /// `_compute_default_rope_parameters` and `_compute_{linear,llama3}_parameters`).
+    pub fn inv_freq(scaling: Option<RopeScaling>, theta: f64, head_dim: usize) -> Vec<f64> {
+        let base = (0..head_dim / 2).map(|i| 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64));
+        match scaling {
+            None => base.collect(),
+            Some(RopeScaling::Linear { factor }) => base.map(|f| f / factor).collect(),
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_positions: old,
+            }) => base
+                .map(|f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < old / high {
+                        f
+                    } else if wavelen > old / low {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low) / (high - low);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect(),
+        }
+    }
 }
 
 /// Mixture-of-experts settings of a resolved config.
@@ -164,6 +274,8 @@ pub struct Config {
     pub eps: f64,
     /// RoPE base.
     pub rope_theta: f64,
+    /// RoPE frequency scaling, if any.
+    pub rope_scaling: Option<RopeScaling>,
     /// RoPE layout.
     pub rope_layout: RopeLayout,
     /// Maximum positions.
@@ -172,6 +284,10 @@ pub struct Config {
     pub tie_embeddings: bool,
     /// q/k/v biases.
     pub qkv_bias: bool,
+    /// o-projection bias.
+    pub o_bias: bool,
+    /// gate/up/down biases of the dense feed-forward.
+    pub mlp_bias: bool,
     /// q/k RMSNorm per head.
     pub qk_norm: bool,
     /// MoE feed-forward (every layer), if any.
@@ -260,9 +376,24 @@ impl HfConfig {
         if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             errs.push(format!("rms_norm_eps {} must be positive", self.rms_norm_eps));
         }
-        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
-            errs.push(format!("rope_theta {} must be positive", self.rope_theta));
-        }
+        let (rope_theta, rope_scaling) = self.rope(&mut errs);
+        let model_type = self.model_type.as_deref().unwrap_or("llama");
+        self.check_sliding_window(model_type, &mut errs);
+        let attention_bias = self.attention_bias.unwrap_or(false);
+        let (qkv_bias, o_bias) = match model_type {
+            // Qwen2's q/k/v always carry biases and its o never does; it has no such key.
+            "qwen2" => (true, false),
+            "mistral" | "mixtral" => {
+                if attention_bias {
+                    errs.push(format!(
+                        "attention_bias true: {model_type} attention has no biases in transformers, so this checkpoint is not a {model_type} one"
+                    ));
+                }
+                (false, false)
+            }
+            _ => (attention_bias, attention_bias),
+        };
+        let mlp_bias = model_type == "llama" && self.mlp_bias.unwrap_or(false);
         if !errs.is_empty() {
             return Err(Error::Config(errs));
         }
@@ -276,14 +407,144 @@ impl HfConfig {
             head_dim,
             d_ff: self.intermediate_size,
             eps: self.rms_norm_eps,
-            rope_theta: self.rope_theta,
+            rope_theta,
+            rope_scaling,
             rope_layout: self.rope_layout.unwrap_or(RopeLayout::HalfSplit),
             max_positions: self.max_position_embeddings,
             tie_embeddings: self.tie_word_embeddings,
-            qkv_bias: self.attention_bias.unwrap_or(family == Family::Qwen2),
+            qkv_bias,
+            o_bias,
+            mlp_bias,
             qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe),
             moe,
         })
+    }
+
+    /// The RoPE base and scaling, from `rope_parameters` (transformers ≥ 5) or the
+    /// top-level `rope_theta` and `rope_scaling`; refuses what streamrl cannot compute.
+    fn rope(&self, errs: &mut Vec<String>) -> (f64, Option<RopeScaling>) {
+        let (key, params) = match (&self.rope_parameters, &self.rope_scaling) {
+            (Some(p), _) => ("rope_parameters", Some(p)),
+            (None, Some(p)) => ("rope_scaling", Some(p)),
+            (None, None) => ("rope_parameters", None),
+        };
+        let theta = params.and_then(|p| p.rope_theta).unwrap_or(self.rope_theta);
+        if theta.is_nan() || theta <= 0.0 {
+            errs.push(format!("rope_theta {theta} must be positive"));
+        }
+        let partial = params
+            .and_then(|p| p.partial_rotary_factor)
+            .or(self.partial_rotary_factor);
+        if let Some(f) = partial.filter(|&f| f != 1.0) {
+            errs.push(format!(
+                "partial_rotary_factor {f} is not supported (RoPE over the whole head, 1.0)"
+            ));
+        }
+        let Some(p) = params else {
+            return (theta, None);
+        };
+        let kind = p
+            .rope_type
+            .clone()
+            .or_else(|| p.extra.get("type").and_then(|t| t.as_str()).map(str::to_string))
+            .unwrap_or_else(|| "default".into());
+        let mut need = |name: &str, v: Option<f64>| -> f64 {
+            match v {
+                Some(v) if v.is_finite() && v > 0.0 => v,
+                Some(v) => {
+                    errs.push(format!("{key}.{name} {v} must be positive ({kind} RoPE)"));
+                    1.0
+                }
+                None => {
+                    errs.push(format!("{key}.{name} is missing ({kind} RoPE needs it)"));
+                    1.0
+                }
+            }
+        };
+        let scaling = match kind.as_str() {
+            "default" => None,
+            "linear" => Some(RopeScaling::Linear {
+                factor: need("factor", p.factor),
+            }),
+            "llama3" => {
+                let s = RopeScaling::Llama3 {
+                    factor: need("factor", p.factor),
+                    low_freq_factor: need("low_freq_factor", p.low_freq_factor),
+                    high_freq_factor: need("high_freq_factor", p.high_freq_factor),
+                    original_max_positions: need(
+                        "original_max_position_embeddings",
+                        p.original_max_position_embeddings,
+                    ),
+                };
+                if let (Some(lo), Some(hi)) = (p.low_freq_factor, p.high_freq_factor)
+                    && hi <= lo
+                {
+                    errs.push(format!(
+                        "{key}.high_freq_factor {hi} must exceed low_freq_factor {lo} (llama3 RoPE)"
+                    ));
+                }
+                Some(s)
+            }
+            other => {
+                errs.push(format!(
+                    "{key}.rope_type `{other}` is not supported (default, linear, llama3)"
+                ));
+                None
+            }
+        };
+        (theta, scaling)
+    }
+
+    /// Sliding-window attention is refused unless it is off or spans the whole context
+    /// (a window of at least `max_position_embeddings` never hides a position).
+    fn check_sliding_window(&self, model_type: &str, errs: &mut Vec<String>) {
+        let mut sliding_layers = 0;
+        if let Some(types) = &self.layer_types {
+            if types.len() != self.num_hidden_layers {
+                errs.push(format!(
+                    "layer_types has {} entries for {} layers",
+                    types.len(),
+                    self.num_hidden_layers
+                ));
+            }
+            for t in types {
+                match t.as_str() {
+                    "full_attention" => {}
+                    "sliding_attention" => sliding_layers += 1,
+                    other => errs.push(format!(
+                        "layer_types entry `{other}` is not supported (full_attention, sliding_attention)"
+                    )),
+                }
+            }
+        }
+        let active = match model_type {
+            "mistral" | "mixtral" => self.sliding_window.is_some(),
+            "qwen2" | "qwen3" | "qwen3_moe" => match &self.layer_types {
+                Some(_) => sliding_layers > 0,
+                None => self.use_sliding_window == Some(true),
+            },
+            _ => sliding_layers > 0,
+        };
+        if !active {
+            return;
+        }
+        let why = if sliding_layers > 0 {
+            format!("{sliding_layers} layer_types entries are sliding_attention")
+        } else if model_type == "mistral" || model_type == "mixtral" {
+            format!("{model_type} applies it whenever it is set")
+        } else {
+            "use_sliding_window is true".to_string()
+        };
+        match self.sliding_window {
+            Some(w) if w >= self.max_position_embeddings => {}
+            Some(w) => errs.push(format!(
+                "sliding_window {w} is active ({why}) and narrower than max_position_embeddings {}: sliding-window attention is not supported",
+                self.max_position_embeddings
+            )),
+            None => errs.push(format!(
+                "sliding-window attention is requested ({why}) but sliding_window is null"
+            )),
+        }
     }
 
     /// Reads `config.json`.
@@ -369,5 +630,158 @@ mod tests {
         let json = r#"{"vocab_size":8,"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,"torch_dtype":"bfloat16"}"#;
         let h: HfConfig = serde_json::from_str(json).unwrap();
         assert_eq!(serde_json::to_value(&h).unwrap()["torch_dtype"], "bfloat16");
+    }
+
+    fn llama_json(extra: &str) -> HfConfig {
+        let json = format!(
+            r#"{{"model_type":"llama","vocab_size":8,"hidden_size":16,"intermediate_size":8,"num_hidden_layers":2,"num_attention_heads":2,"max_position_embeddings":64{extra}}}"#
+        );
+        serde_json::from_str(&json).unwrap()
+    }
+
+    fn refusal(c: &HfConfig) -> String {
+        match c.resolve() {
+            Err(Error::Config(errs)) => errs.join("\n"),
+            other => panic!("accepted: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn both_rope_layouts_are_read_and_rope_parameters_wins() {
+        // transformers 5: the base lives under rope_parameters.
+        let c = llama_json(r#","rope_parameters":{"rope_type":"default","rope_theta":500000.0}"#);
+        let r = c.resolve().unwrap();
+        assert_eq!((r.rope_theta, r.rope_scaling), (500_000.0, None));
+        // transformers 4: top-level rope_theta and rope_scaling with `type`.
+        let c = llama_json(r#","rope_theta":1000.0,"rope_scaling":{"type":"linear","factor":4.0}"#);
+        let r = c.resolve().unwrap();
+        assert_eq!(r.rope_theta, 1000.0);
+        assert_eq!(r.rope_scaling, Some(RopeScaling::Linear { factor: 4.0 }));
+        let c = llama_json(r#","rope_theta":1000.0,"rope_scaling":null,"rope_parameters":{"rope_theta":20.0}"#);
+        assert_eq!(c.resolve().unwrap().rope_theta, 20.0);
+        // Unknown keys inside survive a round trip.
+        let c = llama_json(r#","rope_parameters":{"rope_type":"default","rope_theta":5.0,"mrope":1}"#);
+        assert_eq!(serde_json::to_value(&c).unwrap()["rope_parameters"]["mrope"], 1);
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_high_frequencies_and_divides_low_ones() {
+        let s = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_positions: 8192.0,
+        };
+        let plain = RopeScaling::inv_freq(None, 500_000.0, 128);
+        let scaled = RopeScaling::inv_freq(Some(s), 500_000.0, 128);
+        assert_eq!(scaled[0], plain[0], "wavelength 2π is far below 8192 / 4");
+        assert!(
+            (scaled[63] - plain[63] / 8.0).abs() < 1e-15,
+            "the longest wavelength is divided"
+        );
+        let mid = (0..64)
+            .filter(|&i| scaled[i] < plain[i] && scaled[i] > plain[i] / 8.0)
+            .count();
+        assert!(mid > 0, "some frequencies lie in the smoothed band");
+    }
+
+    #[test]
+    fn unsupported_variants_are_refused_naming_field_and_value() {
+        for (extra, want) in [
+            (
+                r#","rope_parameters":{"rope_type":"yarn","rope_theta":1e4,"factor":4.0}"#,
+                "rope_parameters.rope_type `yarn`",
+            ),
+            (
+                r#","rope_scaling":{"type":"dynamic","factor":2.0}"#,
+                "rope_scaling.rope_type `dynamic`",
+            ),
+            (
+                r#","rope_parameters":{"rope_type":"linear"}"#,
+                "rope_parameters.factor is missing",
+            ),
+            (
+                r#","rope_parameters":{"rope_type":"llama3","factor":8,"low_freq_factor":4,"high_freq_factor":1,"original_max_position_embeddings":32}"#,
+                "high_freq_factor 1 must exceed low_freq_factor 4",
+            ),
+            (r#","partial_rotary_factor":0.5"#, "partial_rotary_factor 0.5"),
+            (
+                r#","layer_types":["full_attention","chunked_attention"]"#,
+                "`chunked_attention`",
+            ),
+            (
+                r#","layer_types":["full_attention"]"#,
+                "layer_types has 1 entries for 2 layers",
+            ),
+        ] {
+            let text = refusal(&llama_json(extra));
+            assert!(text.contains(want), "{extra}: want {want:?} in {text}");
+        }
+        let with = |mt: &str, extra: &str| {
+            let mut c = llama_json(extra);
+            c.model_type = Some(mt.into());
+            c
+        };
+        for (mt, extra, want) in [
+            (
+                "mistral",
+                r#","sliding_window":16"#,
+                "sliding_window 16 is active (mistral applies it",
+            ),
+            (
+                "mixtral",
+                r#","sliding_window":16,"num_local_experts":2"#,
+                "sliding_window 16 is active",
+            ),
+            (
+                "qwen2",
+                r#","use_sliding_window":true,"sliding_window":16"#,
+                "sliding_window 16 is active (use_sliding_window is true)",
+            ),
+            (
+                "qwen3",
+                r#","sliding_window":16,"layer_types":["full_attention","sliding_attention"]"#,
+                "1 layer_types entries are sliding_attention",
+            ),
+            ("mistral", r#","attention_bias":true"#, "attention_bias true"),
+        ] {
+            let text = refusal(&with(mt, extra));
+            assert!(text.contains(want), "{mt} {extra}: want {want:?} in {text}");
+        }
+        // Inactive or context-wide windows change nothing and load.
+        for (mt, extra) in [
+            ("mistral", r#","sliding_window":null"#),
+            ("mistral", r#","sliding_window":64"#),
+            ("qwen2", r#","use_sliding_window":false,"sliding_window":16"#),
+            (
+                "qwen3",
+                r#","sliding_window":16,"layer_types":["full_attention","full_attention"]"#,
+            ),
+            ("qwen3", r#","use_sliding_window":true,"sliding_window":4096"#),
+        ] {
+            with(mt, extra)
+                .resolve()
+                .unwrap_or_else(|e| panic!("{mt} {extra}: {e}"));
+        }
+    }
+
+    #[test]
+    fn biases_follow_each_familys_rules() {
+        let bias = |mt: &str, extra: &str| {
+            let mut c = llama_json(extra);
+            c.model_type = Some(mt.into());
+            let r = c.resolve().unwrap();
+            (r.qkv_bias, r.o_bias, r.mlp_bias)
+        };
+        assert_eq!(
+            bias("llama", r#","attention_bias":true,"mlp_bias":true"#),
+            (true, true, true)
+        );
+        assert_eq!(
+            bias("qwen2", r#","attention_bias":false,"mlp_bias":true"#),
+            (true, false, false)
+        );
+        assert_eq!(bias("qwen3", r#","attention_bias":true"#), (true, true, false));
+        assert_eq!(bias("mistral", ""), (false, false, false));
     }
 }

@@ -41,6 +41,15 @@ pub fn load(path: &Path, device: &Device) -> Result<Loaded> {
     let (d, heads) = (u("embedding_length")?, u("attention.head_count")?);
     let kv = u("attention.head_count_kv").unwrap_or(heads);
     let tied = !content.tensor_infos.contains_key("output.weight");
+    if let Some(kind) = content.metadata.get("llama.rope.scaling.type") {
+        let kind = kind.to_string()?.clone();
+        if kind != "none" {
+            return Err(Error::Checkpoint {
+                path: path.display().to_string(),
+                reason: format!("llama.rope.scaling.type `{kind}` is not supported in GGUF files (none)"),
+            });
+        }
+    }
     let hf = HfConfig {
         model_type: Some("llama".into()),
         vocab_size: tokens.len(),
@@ -92,6 +101,14 @@ pub fn load(path: &Path, device: &Device) -> Result<Loaded> {
             }
             var.set(&t)?;
             seen += 1;
+        }
+        if !unused.is_empty() {
+            return Err(Error::Checkpoint {
+                path: path.display().to_string(),
+                reason: format!(
+                    "GGUF tensors the llama model does not use: {unused:?} (`rope_freqs.weight` is Llama 3 RoPE scaling, which streamrl reads only from Hugging Face checkpoints)"
+                ),
+            });
         }
         if seen != data.len() {
             return Err(Error::Checkpoint {

@@ -118,8 +118,9 @@ pub(crate) struct Rope {
 impl Rope {
     fn new(cfg: &Config, device: &Device) -> Result<Self> {
         let half = cfg.head_dim / 2;
-        let inv: Vec<f32> = (0..half)
-            .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / cfg.head_dim as f64) as f32)
+        let inv: Vec<f32> = crate::config::RopeScaling::inv_freq(cfg.rope_scaling, cfg.rope_theta, cfg.head_dim)
+            .into_iter()
+            .map(|f| f as f32)
             .collect();
         let n = cfg.max_positions;
         let mut angles = Vec::with_capacity(n * half);
@@ -191,7 +192,7 @@ impl Attention {
             q: Linear::load(&vb.pp("q_proj"), h * hd, d, cfg.qkv_bias)?,
             k: Linear::load(&vb.pp("k_proj"), kv * hd, d, cfg.qkv_bias)?,
             v: Linear::load(&vb.pp("v_proj"), kv * hd, d, cfg.qkv_bias)?,
-            o: Linear::load(&vb.pp("o_proj"), d, h * hd, false)?,
+            o: Linear::load(&vb.pp("o_proj"), d, h * hd, cfg.o_bias)?,
             q_norm: if cfg.qk_norm {
                 Some(RmsNorm::load(&vb.pp("q_norm"), hd, cfg.eps)?)
             } else {
@@ -336,11 +337,11 @@ pub(crate) struct Mlp {
 }
 
 impl Mlp {
-    fn load(vb: &VarBuilder, d: usize, ff: usize, names: [&str; 3]) -> Result<Self> {
+    fn load(vb: &VarBuilder, d: usize, ff: usize, names: [&str; 3], bias: bool) -> Result<Self> {
         Ok(Mlp {
-            gate: Linear::load(&vb.pp(names[0]), ff, d, false)?,
-            up: Linear::load(&vb.pp(names[1]), ff, d, false)?,
-            down: Linear::load(&vb.pp(names[2]), d, ff, false)?,
+            gate: Linear::load(&vb.pp(names[0]), ff, d, bias)?,
+            up: Linear::load(&vb.pp(names[1]), ff, d, bias)?,
+            down: Linear::load(&vb.pp(names[2]), d, ff, bias)?,
         })
     }
 }
@@ -399,11 +400,17 @@ impl Moe {
         };
         let router = Linear::load(&vb.pp(router_name), cfg.n_experts, d, false)?;
         let experts = (0..cfg.n_experts)
-            .map(|e| Mlp::load(&vb.pp("experts").pp(e), d, cfg.expert_ff, expert_names))
+            .map(|e| Mlp::load(&vb.pp("experts").pp(e), d, cfg.expert_ff, expert_names, false))
             .collect::<Result<Vec<_>>>()?;
         let shared = match cfg.shared_ff {
             Some(ff) => Some((
-                Mlp::load(&vb.pp("shared_expert"), d, ff, ["gate_proj", "up_proj", "down_proj"])?,
+                Mlp::load(
+                    &vb.pp("shared_expert"),
+                    d,
+                    ff,
+                    ["gate_proj", "up_proj", "down_proj"],
+                    false,
+                )?,
                 Linear::load(&vb.pp("shared_expert_gate"), 1, d, false)?,
             )),
             None => None,
@@ -500,6 +507,7 @@ impl Block {
                 cfg.d_model,
                 cfg.d_ff,
                 ["gate_proj", "up_proj", "down_proj"],
+                cfg.mlp_bias,
             )?),
         };
         Ok(Block {

@@ -38,8 +38,21 @@ fn all_configs() -> Vec<(&'static str, HfConfig)> {
     let mut llama_i = dense("llama");
     llama_i.rope_layout = Some(RopeLayout::Interleaved);
     llama_i.tie_word_embeddings = true;
+    let mut llama_b = dense("llama");
+    llama_b.attention_bias = Some(true);
+    llama_b.mlp_bias = Some(true);
+    llama_b.rope_parameters = Some(streamrl_model::config::RopeParameters {
+        rope_type: Some("llama3".into()),
+        rope_theta: Some(500_000.0),
+        factor: Some(8.0),
+        low_freq_factor: Some(1.0),
+        high_freq_factor: Some(4.0),
+        original_max_position_embeddings: Some(8.0),
+        ..Default::default()
+    });
     vec![
         ("llama (interleaved rope, tied)", llama_i),
+        ("llama (q/k/v/o and mlp biases, llama3 rope scaling)", llama_b),
         ("qwen2 (qkv bias)", dense("qwen2")),
         ("qwen3 (qk norm)", dense("qwen3")),
         ("qwen3_moe softmax + shared expert", moe(RouterScore::Softmax, true)),
@@ -50,6 +63,19 @@ fn all_configs() -> Vec<(&'static str, HfConfig)> {
             h
         }),
     ]
+}
+
+/// A seeded model whose biases are random too (they start at zero, where a bias that is
+/// dropped or misplaced would change nothing).
+fn init(hf: &HfConfig) -> checkpoint::Loaded {
+    let loaded = checkpoint::init(hf, &Device::Cpu).unwrap();
+    for (k, v) in loaded.vars.data().lock().unwrap().iter() {
+        if k.ends_with(".bias") {
+            v.set(&Tensor::randn(0f32, 0.5, v.dims(), &Device::Cpu).unwrap())
+                .unwrap();
+        }
+    }
+    loaded
 }
 
 fn samples() -> Vec<Vec<Vec<u32>>> {
@@ -164,7 +190,7 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 #[test]
 fn fused_ops_give_the_op_by_op_logits_and_gradients_for_every_family() {
     for (name, hf) in all_configs() {
-        let loaded = checkpoint::init(&hf, &Device::Cpu).unwrap();
+        let loaded = init(&hf);
         assert!(loaded.model.fused_ops(), "{name}: f32 on the CPU runs fused by default");
         let mut plain = loaded.model.clone();
         plain.set_fused_ops(false);
@@ -509,7 +535,7 @@ fn optimizer_resume_is_bit_identical() {
 fn cpu_kernels_match_the_candle_forward_for_every_family() {
     use streamrl_model::infer::CpuModel;
     for (name, hf) in all_configs() {
-        let m = checkpoint::init(&hf, &Device::Cpu).unwrap().model;
+        let m = init(&hf).model;
         let cpu = CpuModel::new(&m).unwrap();
         let a: Vec<u32> = (0..9).map(|i| (i * 7 + 3) % V as u32).collect();
         let b: Vec<u32> = (0..5).map(|i| (i * 11 + 1) % V as u32).collect();
