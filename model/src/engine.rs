@@ -118,7 +118,17 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// Do not stop at the tokenizer's end-of-sequence token.
     pub ignore_eos: bool,
+    /// Also report the `logprobs` most likely tokens at each step with their logprobs
+    /// (0: none; at most [`MAX_TOP_LOGPROBS`]).
+    pub logprobs: usize,
 }
+
+/// Per prompt position after the first: the token's logprob and the most likely tokens
+/// there ([`Engine::prompt_logprobs`]).
+pub type PromptScores = Vec<(f32, Vec<(u32, f32)>)>;
+
+/// The most alternatives [`SamplingParams::logprobs`] may ask for.
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -132,6 +142,7 @@ impl Default for SamplingParams {
             tool_call_stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            logprobs: 0,
         }
     }
 }
@@ -151,6 +162,12 @@ impl SamplingParams {
         }
         if self.stop.iter().chain(&self.tool_call_stop).any(String::is_empty) {
             p.push("stop strings must not be empty".into());
+        }
+        if self.logprobs > MAX_TOP_LOGPROBS {
+            p.push(format!(
+                "logprobs {} asks for more than {MAX_TOP_LOGPROBS} alternatives per token",
+                self.logprobs
+            ));
         }
         p
     }
@@ -192,6 +209,9 @@ pub struct Output {
     pub tokens: Vec<u32>,
     /// Logprob of each generated token (temperature-scaled distribution).
     pub logprobs: Vec<f32>,
+    /// Per generated token, the [`SamplingParams::logprobs`] most likely tokens with their
+    /// logprobs, most likely first (empty lists when none were asked for).
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
     /// Policy version that produced each token.
     pub versions: Vec<u32>,
     /// Decoded completion (stop string removed), when the engine has a tokenizer.
@@ -217,6 +237,9 @@ pub enum Event {
         token: u32,
         /// Its logprob.
         logprob: f32,
+        /// The most likely tokens at this step with their logprobs (as many as
+        /// [`SamplingParams::logprobs`] asked for).
+        top: Vec<(u32, f32)>,
         /// Policy version that produced it.
         version: u32,
     },
@@ -235,6 +258,7 @@ struct Seq {
     kv: Option<SeqKv>,
     tokens: Vec<u32>,
     logprobs: Vec<f32>,
+    top_logprobs: Vec<Vec<(u32, f32)>>,
     versions: Vec<u32>,
     text_len_checked: usize,
     queued_at: i64,
@@ -404,6 +428,7 @@ impl Engine {
             kv: None,
             tokens: Vec::new(),
             logprobs: Vec::new(),
+            top_logprobs: Vec::new(),
             versions: Vec::new(),
             text_len_checked: 0,
             queued_at: now_ms(),
@@ -475,6 +500,48 @@ impl Engine {
         }
         let loaded = checkpoint::load(dir, self.model.device())?;
         self.swap(loaded.model, version)
+    }
+
+    /// Scores a prompt with the current weights: for each token after the first, its
+    /// logprob given the tokens before it (temperature 1) and the `top` most likely
+    /// tokens at that position. This is the `echo` + `logprobs` of the completions API.
+    pub fn prompt_logprobs(&self, prompt: &[u32], top: usize) -> Result<PromptScores> {
+        let cfg = self.model.config();
+        let mut problems = Vec::new();
+        if prompt.len() > cfg.max_positions {
+            problems.push(format!(
+                "prompt of {} tokens does not fit the model's context of {}",
+                prompt.len(),
+                cfg.max_positions
+            ));
+        }
+        if let Some(t) = prompt.iter().find(|t| **t as usize >= cfg.vocab) {
+            problems.push(format!("prompt token {t} is outside the vocabulary of {}", cfg.vocab));
+        }
+        if top > MAX_TOP_LOGPROBS {
+            problems.push(format!(
+                "asked for {top} alternatives per token; at most {MAX_TOP_LOGPROBS}"
+            ));
+        }
+        if !problems.is_empty() {
+            return Err(Error::Request(problems.join("; ")));
+        }
+        if prompt.len() < 2 {
+            return Ok(Vec::new());
+        }
+        let packed = crate::model::Packed::new(&[vec![prompt.to_vec()]], self.model.device())?;
+        let (logits, _) = self.model.forward(&packed)?;
+        let rows = logits.squeeze(0)?.to_vec2::<f32>()?;
+        Ok(rows[..prompt.len() - 1]
+            .iter()
+            .zip(&prompt[1..])
+            .map(|(row, &tok)| {
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let log_z = row.iter().map(|l| (l - max).exp()).sum::<f32>().ln();
+                let logprob = |i: usize| row[i] - max - log_z;
+                (logprob(tok as usize), top_n(row, top, logprob))
+            })
+            .collect())
     }
 
     /// Steps until every request has finished; returns the outputs in finishing order.
@@ -717,15 +784,17 @@ impl Engine {
         let eos = self.tokenizer.as_ref().and_then(|t| t.eos);
         let mut kept = Vec::with_capacity(seqs.len());
         for (r, (mut s, row)) in seqs.into_iter().zip(rows).enumerate() {
-            let (token, logprob) = sample(&row, &s.params, &mut s.rng);
+            let (token, logprob, top) = sample(&row, &s.params, &mut s.rng);
             s.tokens.push(token);
             s.logprobs.push(logprob);
+            s.top_logprobs.push(top.clone());
             s.versions.push(self.version);
             self.stats.generated += 1;
             events.push(Event::Token {
                 id: s.id,
                 token,
                 logprob,
+                top,
                 version: self.version,
             });
             let finish = if s.params.stop_token_ids.contains(&token) || (!s.params.ignore_eos && Some(token) == eos) {
@@ -817,6 +886,7 @@ impl Engine {
             prompt_len: s.prompt.len(),
             tokens: s.tokens,
             logprobs: s.logprobs,
+            top_logprobs: s.top_logprobs,
             versions: s.versions,
             text,
             finish_reason: reason,
@@ -827,10 +897,27 @@ impl Engine {
     }
 }
 
+/// The `n` most likely tokens of a logits row (most likely first, ties by lower id) with
+/// `logprob` of each.
+pub fn top_n(logits: &[f32], n: usize, logprob: impl Fn(usize) -> f32) -> Vec<(u32, f32)> {
+    if n == 0 || logits.is_empty() {
+        return Vec::new();
+    }
+    let order = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+    let mut idx: Vec<usize> = (0..logits.len()).collect();
+    let n = n.min(idx.len());
+    if n < idx.len() {
+        idx.select_nth_unstable_by(n - 1, order);
+        idx.truncate(n);
+    }
+    idx.sort_unstable_by(order);
+    idx.into_iter().map(|i| (i as u32, logprob(i))).collect()
+}
+
 /// Picks a token from one row of logits: its logprob is under the temperature-scaled
 /// distribution over the full vocabulary; top-k and top-p only restrict which tokens can
-/// be drawn.
-fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32) {
+/// be drawn. Also returns the `p.logprobs` most likely tokens under that distribution.
+fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32, Vec<(u32, f32)>) {
     let t = if p.temperature > 0.0 { p.temperature } else { 1.0 };
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     // log_softmax(l / t) = (l - max) / t - log Σ exp((l - max) / t)
@@ -838,12 +925,13 @@ fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32) {
     let z: f32 = e.iter().sum();
     let log_z = z.ln();
     let logprob = |i: usize| (logits[i] - max) / t - log_z;
+    let top = top_n(logits, p.logprobs, logprob);
     if p.temperature == 0.0 {
         let (i, _) = logits.iter().enumerate().fold(
             (0, f32::NEG_INFINITY),
             |acc, (i, &l)| if l > acc.1 { (i, l) } else { acc },
         );
-        return (i as u32, logprob(i));
+        return (i as u32, logprob(i), top);
     }
     let mut cand: Vec<(usize, f32)> = e.iter().enumerate().map(|(i, &v)| (i, v / z)).collect();
     if p.top_k > 0 || p.top_p < 1.0 {
@@ -870,9 +958,9 @@ fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32) {
     for &(i, q) in &cand {
         acc += q;
         if u < acc {
-            return (i as u32, logprob(i));
+            return (i as u32, logprob(i), top);
         }
     }
     let i = cand.last().map_or(0, |c| c.0);
-    (i as u32, logprob(i))
+    (i as u32, logprob(i), top)
 }

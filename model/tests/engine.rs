@@ -348,6 +348,67 @@ fn cancelling_one_running_sequence_leaves_the_others_untouched(k: bool) {
     }
 }
 
+fn top_logprobs_and_prompt_scores_agree_with_the_sampled_logprobs(k: bool) {
+    let mut e = engine(k, 9, 4);
+    for (i, p) in prompts().into_iter().take(3).enumerate() {
+        e.add(
+            p,
+            SamplingParams {
+                logprobs: 5,
+                temperature: 1.0,
+                ..params(i, 1.0)
+            },
+        )
+        .unwrap();
+    }
+    let outs = by_id(e.run_to_completion().unwrap());
+    for (o, p) in outs.iter().zip(prompts()) {
+        assert_eq!(o.top_logprobs.len(), o.tokens.len());
+        let full: Vec<u32> = p.iter().chain(&o.tokens).copied().collect();
+        let scored = e.prompt_logprobs(&full, 5).unwrap();
+        assert_eq!(scored.len(), full.len() - 1);
+        for (j, (tok, lp)) in o.tokens.iter().zip(&o.logprobs).enumerate() {
+            let top = &o.top_logprobs[j];
+            assert_eq!(top.len(), 5);
+            assert!(top.windows(2).all(|w| w[0].1 >= w[1].1), "most likely first: {top:?}");
+            // The sampled token is in the list exactly when its logprob reaches the 5th.
+            if *lp > top[4].1 + 1e-6 {
+                assert!(top.iter().any(|(t, _)| t == tok), "{tok} missing from {top:?}");
+            }
+            for (t, l) in top {
+                if t == tok {
+                    assert!((l - lp).abs() < 1e-6);
+                }
+            }
+            // Scoring the prompt + completion gives the same numbers at temperature 1.
+            let (slp, stop) = &scored[p.len() - 1 + j];
+            assert!((slp - lp).abs() < 1e-4, "token {j}: scored {slp} sampled {lp}");
+            for ((a, x), (b, y)) in stop.iter().zip(top) {
+                assert!(a == b || (x - y).abs() < 1e-5, "{stop:?} vs {top:?}");
+                assert!((x - y).abs() < 1e-4);
+            }
+        }
+    }
+    let err = e
+        .add(
+            prompts()[0].clone(),
+            SamplingParams {
+                logprobs: 21,
+                ..Default::default()
+            },
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("logprobs 21"), "{err}");
+    assert!(
+        e.prompt_logprobs(&[1, 5000], 0)
+            .unwrap_err()
+            .to_string()
+            .contains("5000")
+    );
+    assert!(e.prompt_logprobs(&[1], 3).unwrap().is_empty());
+}
+
 macro_rules! suite {
     ($($name:ident),* $(,)?) => {
         mod cpu_kernels {
@@ -373,4 +434,5 @@ suite!(
     stop_strings_tool_markers_stop_tokens_and_max_tokens,
     bad_requests_are_refused_with_every_reason,
     cancelling_one_running_sequence_leaves_the_others_untouched,
+    top_logprobs_and_prompt_scores_agree_with_the_sampled_logprobs,
 );

@@ -3,12 +3,23 @@
 //! One engine thread owns the model; HTTP handlers send it requests over a channel and
 //! receive per-token events back, so concurrent requests (and the `n` choices of one
 //! request) share every decode step. Routes: `POST /v1/completions`,
-//! `POST /v1/chat/completions` (both with `n`, `logprobs`, `stop`, `seed`, `usage` and
-//! server-sent-event streaming), `POST /v1/load_weights` (an in-flight weight update:
+//! `POST /v1/chat/completions` (both with `n`, `logprobs` with alternatives, `stop`,
+//! `seed`, `usage` and server-sent-event streaming that carries logprobs and, with
+//! `stream_options.include_usage`, a last usage chunk; completions also `echo`, with the
+//! prompt's logprobs), `POST /v1/load_weights` (an in-flight weight update:
 //! `{path, version, sha256}`), `GET /v1/models`, `GET /health`. vLLM's
-//! `return_tokens_as_token_ids` (plus per-token `policy_versions`) and
-//! `include_stop_str_in_output` extensions are understood. Bad requests get a 4xx
-//! with an OpenAI-style `{"error": {"message", "type", "param", "code"}}` body.
+//! `return_tokens_as_token_ids` (plus per-token `policy_versions`), `ignore_eos`,
+//! `stop_token_ids` and `include_stop_str_in_output` extensions are understood. Request
+//! bodies are typed ([`wire`]): a wrongly typed or out-of-range field is a 400 with an
+//! OpenAI-style `{"error": {"message", "type", "param", "code"}}` body naming it. With
+//! `--api-key` (or `STREAMRL_API_KEY`) every route but `/health` needs
+//! `Authorization: Bearer <key>`.
+//!
+//! The end-of-sequence or stop token that ends a choice is not part of its text, so it is
+//! not in its logprobs or its stream either; with `return_tokens_as_token_ids` (the
+//! rollout stage's mode, which trains on it) it stays in the logprobs.
+
+pub mod wire;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -19,8 +30,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result, anyhow};
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::StatusCode;
+use axum::middleware::Next;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -28,8 +40,10 @@ use clap::Args;
 use serde_json::{Value, json};
 use streamrl_model::Tokenizer;
 use streamrl_model::chat::{ChatMessage, ChatTemplate};
-use streamrl_model::engine::{Engine, EngineConfig, Event, FinishReason, Output, SamplingParams};
+use streamrl_model::engine::{Engine, EngineConfig, Event, FinishReason, Output, PromptScores, SamplingParams};
 use tokio::sync::mpsc;
+
+use wire::{Checked, Problem};
 
 /// `streamrl serve` arguments.
 #[derive(Args, Debug)]
@@ -46,10 +60,20 @@ pub struct ServeArgs {
     /// Sequences decoded together at most.
     #[arg(long, default_value_t = 64)]
     max_num_seqs: usize,
+    /// Require `Authorization: Bearer <key>` on every route but /health.
+    #[arg(long, env = "STREAMRL_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+}
+
+/// One generated token as the engine reported it.
+struct Tok {
+    token: u32,
+    logprob: f32,
+    top: Vec<(u32, f32)>,
 }
 
 enum Ev {
-    Token(u32),
+    Token(Tok),
     Done(Output),
     Error(String),
 }
@@ -65,6 +89,12 @@ struct Add {
 enum Cmd {
     /// Start a sequence.
     Add(Add),
+    /// Score a prompt (`echo` with `logprobs`).
+    Score {
+        prompt: Vec<u32>,
+        top: usize,
+        reply: tokio::sync::oneshot::Sender<Result<PromptScores, String>>,
+    },
     /// Load new weights between two steps (an in-flight update: running sequences go on
     /// with the new weights).
     Load {
@@ -81,6 +111,8 @@ struct AppState {
     template: ChatTemplate,
     model: String,
     context: usize,
+    vocab: usize,
+    api_key: Option<String>,
 }
 
 /// The engine loop: admits new requests between steps, routes events, cancels requests
@@ -103,6 +135,9 @@ fn engine_loop(mut engine: Engine, rx: std::sync::mpsc::Receiver<Cmd>) {
         for cmd in incoming {
             match cmd {
                 Cmd::Add(a) => adds.push(a),
+                Cmd::Score { prompt, top, reply } => {
+                    let _ = reply.send(engine.prompt_logprobs(&prompt, top).map_err(|e| e.to_string()));
+                }
                 Cmd::Load {
                     dir,
                     version,
@@ -142,9 +177,15 @@ fn engine_loop(mut engine: Engine, rx: std::sync::mpsc::Receiver<Cmd>) {
         let mut gone = Vec::new();
         for e in events {
             match e {
-                Event::Token { id, token, .. } => {
+                Event::Token {
+                    id,
+                    token,
+                    logprob,
+                    top,
+                    ..
+                } => {
                     if let Some((i, tx)) = routes.get(&id)
-                        && tx.send((*i, Ev::Token(token))).is_err()
+                        && tx.send((*i, Ev::Token(Tok { token, logprob, top }))).is_err()
                     {
                         gone.push(id);
                     }
@@ -172,6 +213,7 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
         .ok_or_else(|| anyhow!("{} has no tokenizer.json", a.checkpoint.display()))?;
     let template = ChatTemplate::for_checkpoint(&a.checkpoint)?;
     let context = loaded.config.max_positions;
+    let vocab = loaded.config.vocab;
     let engine = Engine::new(
         loaded.model,
         0,
@@ -192,29 +234,42 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
             .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
             .unwrap_or_else(|| "streamrl".into())
     });
+    if a.api_key.as_deref() == Some("") {
+        anyhow::bail!("--api-key (or STREAMRL_API_KEY) is set but empty");
+    }
     let state = Arc::new(AppState {
         engine: tx,
         tokenizer,
         template,
         model,
         context,
+        vocab,
+        api_key: a.api_key,
     });
+    // Every route but /health is behind the key (the fallback too: unknown paths do not
+    // tell an unauthenticated caller which routes exist).
     let app = Router::new()
-        .route("/health", get(|| async { axum::Json(json!({"status": "ok"})) }))
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/load_weights", post(load_weights))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such route", None) })
+        .layer(axum::middleware::from_fn_with_state(state.clone(), authorize))
+        .route("/health", get(|| async { axum::Json(json!({"status": "ok"})) }))
         .with_state(state.clone());
     let listener = tokio::net::TcpListener::bind(a.listen)
         .await
         .with_context(|| format!("listening on {}", a.listen))?;
     eprintln!(
-        "serving `{}` from {} on http://{} ({kernels} kernels)",
+        "serving `{}` from {} on http://{} ({kernels} kernels{})",
         state.model,
         a.checkpoint.display(),
-        listener.local_addr()?
+        listener.local_addr()?,
+        if state.api_key.is_some() {
+            ", API key required"
+        } else {
+            ""
+        }
     );
     let shutdown = streamrl_runtime::runner::Shutdown::new();
     shutdown.on_signals();
@@ -222,6 +277,43 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
         .with_graceful_shutdown(async move { shutdown.wait().await })
         .await?;
     Ok(())
+}
+
+/// Checks `Authorization: Bearer <key>` (the scheme is case-insensitive, RFC 6750) when
+/// the server has a key; 401 with an OpenAI-style body otherwise.
+async fn authorize(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let Some(want) = &s.api_key else {
+        return next.run(req).await;
+    };
+    let given = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, key)| key.trim());
+    match given {
+        Some(key) if constant_time_eq(key.as_bytes(), want.as_bytes()) => next.run(req).await,
+        given => {
+            let message = if given.is_some() {
+                "Incorrect API key provided"
+            } else {
+                "Missing API key: send `Authorization: Bearer <key>`"
+            };
+            (
+                StatusCode::UNAUTHORIZED,
+                [(axum::http::header::WWW_AUTHENTICATE, "Bearer")],
+                axum::Json(json!({"error": {"message": message, "type": "invalid_request_error",
+                                            "param": null, "code": "invalid_api_key"}})),
+            )
+                .into_response()
+        }
+    }
+}
+
+/// Compares without an early exit on the first differing byte.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 fn error(status: StatusCode, message: impl Into<String>, param: Option<&str>) -> Response {
@@ -237,12 +329,16 @@ fn error(status: StatusCode, message: impl Into<String>, param: Option<&str>) ->
         .into_response()
 }
 
-struct BadRequest(StatusCode, String, Option<&'static str>);
+/// A 400 for one problem, boxed for `?`.
+fn bad(p: Problem) -> Box<Response> {
+    Box::new(refuse(vec![p]))
+}
 
-impl BadRequest {
-    fn new(message: impl Into<String>, param: &'static str) -> Self {
-        BadRequest(StatusCode::BAD_REQUEST, message.into(), Some(param))
-    }
+/// A 400 listing every problem; `param` is the first one's field.
+fn refuse(p: Vec<Problem>) -> Response {
+    let message = p.iter().map(|x| x.message.as_str()).collect::<Vec<_>>().join("; ");
+    let param = p.first().map(|x| x.param.as_str()).filter(|x| !x.is_empty());
+    error(StatusCode::BAD_REQUEST, message, param)
 }
 
 async fn models(State(s): State<Arc<AppState>>) -> Response {
@@ -260,265 +356,136 @@ fn now() -> u64 {
         .unwrap_or(0)
 }
 
-/// What both endpoints share once parsed.
+/// A request both endpoints have read and checked.
 struct Parsed {
     prompt: Vec<u32>,
-    params: Vec<SamplingParams>,
-    stream: bool,
-    logprobs: bool,
-    /// vLLM's extension: logprob tokens as `token_id:N`; streamrl adds each token's
-    /// policy version (`policy_versions`) to the choice.
-    token_ids: bool,
+    /// The prompt's text (`echo`).
+    prompt_text: String,
+    c: Checked,
 }
 
-fn num(body: &Value, key: &'static str) -> Result<Option<f64>, BadRequest> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_f64()
-            .map(Some)
-            .ok_or_else(|| BadRequest::new(format!("`{key}` must be a number, got {v}"), key)),
-    }
-}
-
-fn parse_common(s: &AppState, body: &Value, prompt: Vec<u32>, default_max: usize) -> Result<Parsed, BadRequest> {
-    if let Some(m) = body.get("model").and_then(Value::as_str)
-        && m != s.model
-    {
-        return Err(BadRequest(
+/// 404 for another model's name.
+fn check_model(s: &AppState, req: &wire::Request) -> Result<(), Box<Response>> {
+    match &req.model {
+        Some(m) if *m != s.model => Err(Box::new(error(
             StatusCode::NOT_FOUND,
             format!("The model `{m}` does not exist; this server serves `{}`", s.model),
             Some("model"),
-        ));
+        ))),
+        _ => Ok(()),
     }
-    let n = num(body, "n")?.unwrap_or(1.0);
-    if !(1.0..=128.0).contains(&n) || n.fract() != 0.0 {
-        return Err(BadRequest::new(
-            format!("`n` must be an integer in 1..=128, got {n}"),
-            "n",
-        ));
-    }
-    let temperature = num(body, "temperature")?.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(BadRequest::new(
-            format!("`temperature` must be in [0, 2], got {temperature}"),
-            "temperature",
-        ));
-    }
-    let top_p = num(body, "top_p")?.unwrap_or(1.0);
-    let max_tokens = num(body, "max_completion_tokens")?
-        .or(num(body, "max_tokens")?)
-        .unwrap_or(default_max as f64);
-    if max_tokens < 1.0 || max_tokens.fract() != 0.0 {
-        return Err(BadRequest::new(
-            format!("`max_tokens` must be a positive integer, got {max_tokens}"),
-            "max_tokens",
-        ));
-    }
-    if prompt.is_empty() {
-        return Err(BadRequest::new("the prompt is empty", "prompt"));
-    }
-    if prompt.len() + max_tokens as usize > s.context {
-        return Err(BadRequest::new(
-            format!(
-                "This model's maximum context length is {} tokens; the prompt has {} and max_tokens is {max_tokens}",
-                s.context,
-                prompt.len()
-            ),
-            "max_tokens",
-        ));
-    }
-    let stop = match body.get("stop") {
-        None | Some(Value::Null) => vec![],
-        Some(Value::String(x)) => vec![x.clone()],
-        Some(Value::Array(a)) if a.iter().all(Value::is_string) => {
-            a.iter().filter_map(|x| x.as_str().map(str::to_string)).collect()
-        }
-        Some(v) => {
-            return Err(BadRequest::new(
-                format!("`stop` must be a string or a list of strings, got {v}"),
-                "stop",
-            ));
-        }
-    };
-    // vLLM's extension: keep the stop string in the text (streamrl's tool-call markers).
-    let keep_stop = body
-        .get("include_stop_str_in_output")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    let (stop, kept_stop) = if keep_stop { (vec![], stop) } else { (stop, vec![]) };
-    // Seeds are 64-bit: read them as integers (a JSON double would round them).
-    let seed = match body.get("seed").and_then(Value::as_u64) {
-        Some(x) => Some(x),
-        None => num(body, "seed")?.map(|x| x as u64),
-    };
-    let top_k = num(body, "top_k")?.map_or(0, |k| k.max(0.0) as usize);
-    let params: Vec<SamplingParams> = (0..n as u64)
-        .map(|i| SamplingParams {
-            temperature: temperature as f32,
-            top_p: top_p as f32,
-            top_k,
-            seed: seed.map_or_else(rand::random, |s| s.wrapping_add(i)),
-            max_tokens: max_tokens as usize,
-            stop: stop.clone(),
-            tool_call_stop: kept_stop.clone(),
-            ..Default::default()
-        })
-        .collect();
-    if let Some(p) = params.first().map(SamplingParams::problems).filter(|p| !p.is_empty()) {
-        return Err(BadRequest::new(p.join("; "), "temperature"));
-    }
-    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let logprobs = match body.get("logprobs") {
-        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
-        Some(Value::Bool(true)) => true,
-        Some(v) => v.as_u64().is_some(),
-    };
-    let token_ids = body
-        .get("return_tokens_as_token_ids")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    Ok(Parsed {
-        prompt,
-        params,
-        stream,
-        logprobs,
-        token_ids,
-    })
-}
-
-fn parse_body(bytes: &Bytes) -> Result<Value, BadRequest> {
-    let v: Value = serde_json::from_slice(bytes).map_err(|e| {
-        BadRequest(
-            StatusCode::BAD_REQUEST,
-            format!("the body is not valid JSON: {e}"),
-            None,
-        )
-    })?;
-    if !v.is_object() {
-        return Err(BadRequest(
-            StatusCode::BAD_REQUEST,
-            "the body must be a JSON object".into(),
-            None,
-        ));
-    }
-    Ok(v)
 }
 
 async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
-    let r = (|| {
-        let body = parse_body(&body)?;
-        let prompt = match body.get("prompt") {
-            Some(Value::String(p)) => s
-                .tokenizer
-                .encode(p)
-                .map_err(|e| BadRequest::new(e.to_string(), "prompt"))?,
-            Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|x| x.as_u64().is_some()) => {
-                a.iter().filter_map(|x| x.as_u64().map(|t| t as u32)).collect()
-            }
-            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => s
-                .tokenizer
-                .encode(a[0].as_str().unwrap_or_default())
-                .map_err(|e| BadRequest::new(e.to_string(), "prompt"))?,
-            Some(_) => {
-                return Err(BadRequest::new(
-                    "`prompt` must be a string or a list of token ids",
-                    "prompt",
-                ));
-            }
-            None => return Err(BadRequest::new("`prompt` is required", "prompt")),
+    let r: Result<Parsed, Box<Response>> = (|| {
+        let req = wire::parse(&body).map_err(bad)?;
+        check_model(&s, &req)?;
+        let prompt = req
+            .prompt_ids(s.vocab, |t| s.tokenizer.encode(t).map_err(|e| e.to_string()))
+            .map_err(bad)?;
+        let c = req
+            .check(false, prompt.len(), s.context, 16)
+            .map_err(|p| Box::new(refuse(p)))?;
+        let prompt_text = if c.echo {
+            s.tokenizer
+                .decode(&prompt)
+                .map_err(|e| bad(Problem::new("prompt", e.to_string())))?
+        } else {
+            String::new()
         };
-        parse_common(&s, &body, prompt, 16)
+        Ok(Parsed { prompt, prompt_text, c })
     })();
     match r {
         Ok(p) => run(s, p, false).await,
-        Err(BadRequest(code, msg, param)) => error(code, msg, param),
+        Err(r) => *r,
     }
 }
 
 async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
-    let r = (|| {
-        let body = parse_body(&body)?;
-        let messages: Vec<ChatMessage> = match body.get("messages") {
-            Some(Value::Array(a)) if !a.is_empty() => a
-                .iter()
-                .enumerate()
-                .map(|(i, m)| {
-                    let role = m.get("role").and_then(Value::as_str);
-                    let content = match m.get("content") {
-                        Some(Value::String(c)) => Some(c.clone()),
-                        // A list of content parts: the text parts, concatenated.
-                        Some(Value::Array(parts)) => Some(
-                            parts
-                                .iter()
-                                .filter_map(|p| p.get("text").and_then(Value::as_str))
-                                .collect::<String>(),
-                        ),
-                        _ => None,
-                    };
-                    match (role, content) {
-                        (Some(r), Some(c)) => Ok(ChatMessage {
-                            role: r.to_string(),
-                            content: c,
-                        }),
-                        _ => Err(BadRequest::new(
-                            format!("messages[{i}] needs a string `role` and a `content`"),
-                            "messages",
-                        )),
-                    }
-                })
-                .collect::<Result<_, _>>()?,
-            _ => return Err(BadRequest::new("`messages` must be a non-empty list", "messages")),
-        };
+    let r: Result<Parsed, Box<Response>> = (|| {
+        let req = wire::parse(&body).map_err(bad)?;
+        check_model(&s, &req)?;
+        let messages: Vec<ChatMessage> = req
+            .chat_messages()
+            .map_err(bad)?
+            .into_iter()
+            .map(|(role, content)| ChatMessage { role, content })
+            .collect();
         let text = s
             .template
             .render(&messages, true)
-            .map_err(|e| BadRequest::new(e.to_string(), "messages"))?;
+            .map_err(|e| bad(Problem::new("messages", e.to_string())))?;
         let prompt = s
             .tokenizer
             .encode(&text)
-            .map_err(|e| BadRequest::new(e.to_string(), "messages"))?;
+            .map_err(|e| bad(Problem::new("messages", e.to_string())))?;
         let room = s.context.saturating_sub(prompt.len()).clamp(1, 1024);
-        parse_common(&s, &body, prompt, room)
+        let c = req
+            .check(true, prompt.len(), s.context, room)
+            .map_err(|p| Box::new(refuse(p)))?;
+        Ok(Parsed {
+            prompt,
+            prompt_text: String::new(),
+            c,
+        })
     })();
     match r {
         Ok(p) => run(s, p, true).await,
-        Err(BadRequest(code, msg, param)) => error(code, msg, param),
+        Err(r) => *r,
     }
 }
 
 /// `POST /v1/load_weights {"path", "version", "sha256"?}`: an in-flight weight update
 /// (the rollout stage's `engine: openai://` sends the trainer's new versions here).
 async fn load_weights(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
-    let body = match parse_body(&body) {
-        Ok(b) => b,
-        Err(BadRequest(code, msg, param)) => return error(code, msg, param),
+    #[derive(serde::Deserialize)]
+    struct Load {
+        path: Option<String>,
+        version: Option<u32>,
+        sha256: Option<String>,
+    }
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v @ Value::Object(_)) => v,
+        Ok(_) => return error(StatusCode::BAD_REQUEST, "the body must be a JSON object", None),
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("the body is not valid JSON: {e}"),
+                None,
+            );
+        }
     };
-    let Some(path) = body.get("path").and_then(Value::as_str) else {
+    let load: Load = match serde_path_to_error::deserialize(v) {
+        Ok(l) => l,
+        Err(e) => {
+            let param = e.path().to_string();
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("`{param}`: {}", e.into_inner()),
+                Some(&param),
+            );
+        }
+    };
+    let Some(path) = load.path else {
         return error(
             StatusCode::BAD_REQUEST,
             "`path` (a checkpoint directory) is required",
             Some("path"),
         );
     };
-    let Some(version) = body
-        .get("version")
-        .and_then(Value::as_u64)
-        .and_then(|v| u32::try_from(v).ok())
-    else {
+    let Some(version) = load.version else {
         return error(
             StatusCode::BAD_REQUEST,
-            "`version` must be a non-negative integer",
+            "`version` (a non-negative 32-bit integer) is required",
             Some("version"),
         );
     };
-    let sha256 = body.get("sha256").and_then(Value::as_str).map(str::to_string);
     let (reply, rx) = tokio::sync::oneshot::channel();
     if s.engine
         .send(Cmd::Load {
             dir: PathBuf::from(path),
             version,
-            sha256,
+            sha256: load.sha256,
             reply,
         })
         .is_err()
@@ -544,19 +511,171 @@ fn finish_name(r: FinishReason, chat: bool) -> &'static str {
     }
 }
 
+/// Choice `index`'s sampling parameters.
+fn sampling(c: &Checked, index: usize) -> SamplingParams {
+    // vLLM's include_stop_str_in_output keeps the stop string in the text: the engine's
+    // tool-call stops do exactly that.
+    let (stop, kept) = if c.keep_stop {
+        (vec![], c.stop.clone())
+    } else {
+        (c.stop.clone(), vec![])
+    };
+    SamplingParams {
+        temperature: c.temperature,
+        top_p: c.top_p,
+        top_k: c.top_k,
+        seed: c.seed.map_or_else(rand::random, |s| s.wrapping_add(index as u64)),
+        max_tokens: c.max_tokens,
+        stop,
+        tool_call_stop: kept,
+        stop_token_ids: c.stop_token_ids.clone(),
+        ignore_eos: c.ignore_eos,
+        logprobs: c.logprobs.unwrap_or(0),
+    }
+}
+
+/// One logprob entry: a token, its logprob (none for the first prompt token) and the
+/// alternatives at its position.
+struct Entry<'a> {
+    token: u32,
+    logprob: Option<f32>,
+    top: Option<&'a [(u32, f32)]>,
+}
+
+/// Renders tokens and logprobs in the endpoint's format.
+struct Render<'a> {
+    tokenizer: &'a Tokenizer,
+    eos: Option<u32>,
+    chat: bool,
+    c: &'a Checked,
+}
+
+impl Render<'_> {
+    /// A token as text, or `token_id:N`.
+    fn piece(&self, t: u32) -> String {
+        if self.c.token_ids {
+            format!("token_id:{t}")
+        } else {
+            self.tokenizer.decode(std::slice::from_ref(&t)).unwrap_or_default()
+        }
+    }
+
+    /// Whether `t` ends a choice without being part of its text.
+    fn is_stop_token(&self, t: u32) -> bool {
+        (!self.c.ignore_eos && Some(t) == self.eos) || self.c.stop_token_ids.contains(&t)
+    }
+
+    /// How many of `o`'s tokens its logprobs show: all but a final stop token (which the
+    /// text leaves out), except in `token_ids` mode, whose callers train on it.
+    fn shown(&self, o: &Output) -> usize {
+        match o.tokens.last() {
+            Some(&t) if !self.c.token_ids && o.finish_reason == FinishReason::Stop && self.is_stop_token(t) => {
+                o.tokens.len() - 1
+            }
+            _ => o.tokens.len(),
+        }
+    }
+
+    /// The `logprobs` object for `entries`; completions' `text_offset` starts at `offset`,
+    /// which moves past them.
+    fn logprobs(&self, entries: &[Entry], offset: &mut usize) -> Value {
+        if self.chat {
+            let content: Vec<Value> = entries
+                .iter()
+                .map(|e| {
+                    let piece = self.piece(e.token);
+                    let top: Vec<Value> = e
+                        .top
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|(t, lp)| {
+                            let p = self.piece(*t);
+                            json!({"token": p, "logprob": lp, "bytes": p.as_bytes()})
+                        })
+                        .collect();
+                    json!({"token": piece, "logprob": e.logprob, "bytes": piece.as_bytes(), "top_logprobs": top})
+                })
+                .collect();
+            return json!({"content": content, "refusal": null});
+        }
+        let (mut tokens, mut lps, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
+        for e in entries {
+            let piece = self.piece(e.token);
+            offsets.push(*offset);
+            *offset += piece.len();
+            // The sampled token is always among its position's alternatives.
+            tops.push(e.top.map(|top| {
+                let mut m = serde_json::Map::new();
+                for (t, lp) in top {
+                    m.insert(self.piece(*t), json!(lp));
+                }
+                if let Some(lp) = e.logprob {
+                    m.entry(piece.clone()).or_insert(json!(lp));
+                }
+                Value::Object(m)
+            }));
+            lps.push(e.logprob);
+            tokens.push(piece);
+        }
+        json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
+    }
+}
+
+/// The echoed prompt's entries: the first token has no logprob.
+fn prompt_entries<'a>(prompt: &[u32], scores: Option<&'a PromptScores>) -> Vec<Entry<'a>> {
+    prompt
+        .iter()
+        .enumerate()
+        .map(|(i, &token)| {
+            let s = i.checked_sub(1).and_then(|j| scores.and_then(|s| s.get(j)));
+            Entry {
+                token,
+                logprob: s.map(|s| s.0),
+                top: s.map(|s| s.1.as_slice()),
+            }
+        })
+        .collect()
+}
+
 async fn run(s: Arc<AppState>, p: Parsed, chat: bool) -> Response {
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let n = p.params.len();
-    let hold = p.params[0].stop.iter().map(String::len).max().unwrap_or(0);
-    for (index, params) in p.params.into_iter().enumerate() {
-        let add = Add {
+    let c = p.c;
+    // `echo` with logprobs scores the prompt first.
+    let scores = if c.echo && c.logprobs.is_some() {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        let cmd = Cmd::Score {
             prompt: p.prompt.clone(),
-            params,
-            index,
-            events: tx.clone(),
+            top: c.logprobs.unwrap_or(0),
+            reply,
         };
-        if s.engine.send(Cmd::Add(add)).is_err() {
+        if s.engine.send(cmd).is_err() {
             return error(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped", None);
+        }
+        match rx.await {
+            Ok(Ok(v)) => Some(v),
+            Ok(Err(e)) => return error(StatusCode::BAD_REQUEST, e, Some("prompt")),
+            Err(_) => return error(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped", None),
+        }
+    } else {
+        None
+    };
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let n = c.n;
+    // `max_tokens: 0` (only with echo) generates nothing: every choice is the prompt.
+    if c.max_tokens > 0 {
+        for index in 0..n {
+            let add = Add {
+                prompt: p.prompt.clone(),
+                params: sampling(&c, index),
+                index,
+                events: tx.clone(),
+            };
+            if s.engine.send(Cmd::Add(add)).is_err() {
+                return error(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped", None);
+            }
+        }
+    } else {
+        for index in 0..n {
+            let _ = tx.send((index, Ev::Done(empty_output(p.prompt.len()))));
         }
     }
     drop(tx);
@@ -567,36 +686,81 @@ async fn run(s: Arc<AppState>, p: Parsed, chat: bool) -> Response {
     );
     let created = now();
     let prompt_tokens = p.prompt.len();
-    if p.stream {
+    if c.stream {
         let st = s.clone();
-        let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); n];
-        let mut sent: Vec<usize> = vec![0; n];
-        let mut done = 0;
         let stream = async_stream(move |out: mpsc::UnboundedSender<String>| async move {
-            let chunk = |index: usize, delta: &str, finish: Option<&str>, first: bool| -> String {
+            let r = Render {
+                tokenizer: &st.tokenizer,
+                eos: st.tokenizer.eos,
+                chat,
+                c: &c,
+            };
+            let chunk = |index: usize, delta: &str, logprobs: Value, finish: Option<&str>, first: bool| -> String {
                 let choice = if chat {
                     let mut d = json!({"content": delta});
                     if first {
                         d["role"] = json!("assistant");
                     }
-                    json!({"index": index, "delta": d, "logprobs": null, "finish_reason": finish})
+                    json!({"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish})
                 } else {
-                    json!({"index": index, "text": delta, "logprobs": null, "finish_reason": finish})
+                    json!({"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish})
                 };
-                json!({"id": id, "object": if chat { "chat.completion.chunk" } else { "text_completion" },
-                       "created": created, "model": st.model, "choices": [choice]})
-                .to_string()
+                let mut v = json!({"id": id, "object": if chat { "chat.completion.chunk" } else { "text_completion" },
+                                   "created": created, "model": st.model, "choices": [choice]});
+                if c.include_usage {
+                    v["usage"] = Value::Null;
+                }
+                v.to_string()
             };
-            if chat {
-                for i in 0..n {
-                    let _ = out.send(chunk(i, "", None, true));
+            let hold = c.stop.iter().map(String::len).max().unwrap_or(0);
+            // Per choice: the tokens of its text, how much text was sent, the tokens whose
+            // logprobs wait for the text they belong to, the next text offset.
+            let mut text_tokens: Vec<Vec<u32>> = vec![Vec::new(); n];
+            let mut sent: Vec<usize> = vec![0; n];
+            let mut pending: Vec<Vec<Tok>> = (0..n).map(|_| Vec::new()).collect();
+            let mut offset: Vec<usize> = vec![0; n];
+            let mut completion_tokens = 0;
+            let lp = |r: &Render, toks: &[Tok], offset: &mut usize| -> Value {
+                if c.logprobs.is_none() {
+                    return Value::Null;
+                }
+                let entries: Vec<Entry> = toks
+                    .iter()
+                    .map(|t| Entry {
+                        token: t.token,
+                        logprob: Some(t.logprob),
+                        top: Some(&t.top),
+                    })
+                    .collect();
+                r.logprobs(&entries, offset)
+            };
+            for (i, off) in offset.iter_mut().enumerate() {
+                if chat {
+                    let _ = out.send(chunk(i, "", Value::Null, None, true));
+                } else if c.echo {
+                    let logprobs = if c.logprobs.is_some() {
+                        r.logprobs(&prompt_entries(&p.prompt, scores.as_ref()), off)
+                    } else {
+                        Value::Null
+                    };
+                    let _ = out.send(chunk(i, &p.prompt_text, logprobs, None, false));
                 }
             }
+            let mut done = 0;
             while let Some((i, ev)) = rx.recv().await {
                 match ev {
                     Ev::Token(t) => {
-                        tokens[i].push(t);
-                        let text = st.tokenizer.decode(&tokens[i]).unwrap_or_default();
+                        let stop_token = r.is_stop_token(t.token);
+                        if !stop_token {
+                            text_tokens[i].push(t.token);
+                        }
+                        if !stop_token || c.token_ids {
+                            pending[i].push(t);
+                        }
+                        if stop_token {
+                            continue;
+                        }
+                        let text = st.tokenizer.decode(&text_tokens[i]).unwrap_or_default();
                         let mut safe = text.len().saturating_sub(hold);
                         while !text.is_char_boundary(safe) {
                             safe -= 1;
@@ -604,15 +768,26 @@ async fn run(s: Arc<AppState>, p: Parsed, chat: bool) -> Response {
                         if text[..safe].ends_with('\u{FFFD}') || safe <= sent[i] {
                             continue;
                         }
-                        let _ = out.send(chunk(i, &text[sent[i]..safe], None, false));
+                        let logprobs = lp(&r, &pending[i], &mut offset[i]);
+                        pending[i].clear();
+                        let _ = out.send(chunk(i, &text[sent[i]..safe], logprobs, None, false));
                         sent[i] = safe;
                     }
                     Ev::Done(o) => {
+                        completion_tokens += o.tokens.len();
                         let rest = o.text.get(sent[i]..).unwrap_or_default();
-                        if !rest.is_empty() {
-                            let _ = out.send(chunk(i, rest, None, false));
+                        if !rest.is_empty() || !pending[i].is_empty() {
+                            let logprobs = lp(&r, &pending[i], &mut offset[i]);
+                            pending[i].clear();
+                            let _ = out.send(chunk(i, rest, logprobs, None, false));
                         }
-                        let _ = out.send(chunk(i, "", Some(finish_name(o.finish_reason, chat)), false));
+                        let _ = out.send(chunk(
+                            i,
+                            "",
+                            Value::Null,
+                            Some(finish_name(o.finish_reason, chat)),
+                            false,
+                        ));
                         done += 1;
                         if done == n {
                             break;
@@ -620,9 +795,16 @@ async fn run(s: Arc<AppState>, p: Parsed, chat: bool) -> Response {
                     }
                     Ev::Error(e) => {
                         let _ = out.send(json!({"error": {"message": e, "type": "invalid_request_error", "param": null, "code": null}}).to_string());
-                        break;
+                        let _ = out.send("[DONE]".to_string());
+                        return;
                     }
                 }
+            }
+            if c.include_usage {
+                let v = json!({"id": id, "object": if chat { "chat.completion.chunk" } else { "text_completion" },
+                               "created": created, "model": st.model, "choices": [],
+                               "usage": usage(prompt_tokens, completion_tokens)});
+                let _ = out.send(v.to_string());
             }
             let _ = out.send("[DONE]".to_string());
         });
@@ -638,42 +820,38 @@ async fn run(s: Arc<AppState>, p: Parsed, chat: bool) -> Response {
     }
     let outputs: Vec<Output> = outputs.into_iter().flatten().collect();
     let completion_tokens: usize = outputs.iter().map(|o| o.tokens.len()).sum();
+    let r = Render {
+        tokenizer: &s.tokenizer,
+        eos: s.tokenizer.eos,
+        chat,
+        c: &c,
+    };
     let choices: Vec<Value> = outputs
         .iter()
         .enumerate()
         .map(|(i, o)| {
-            let pieces: Vec<String> = o
-                .tokens
-                .iter()
-                .map(|t| {
-                    if p.token_ids {
-                        format!("token_id:{t}")
-                    } else {
-                        s.tokenizer.decode(std::slice::from_ref(t)).unwrap_or_default()
-                    }
-                })
-                .collect();
             let finish = finish_name(o.finish_reason, chat);
+            let logprobs = c.logprobs.map(|_| {
+                let mut entries = if c.echo {
+                    prompt_entries(&p.prompt, scores.as_ref())
+                } else {
+                    Vec::new()
+                };
+                let k = r.shown(o);
+                entries.extend((0..k).map(|j| Entry {
+                    token: o.tokens[j],
+                    logprob: Some(o.logprobs[j]),
+                    top: o.top_logprobs.get(j).map(Vec::as_slice),
+                }));
+                r.logprobs(&entries, &mut 0)
+            });
             if chat {
-                let logprobs = p.logprobs.then(|| {
-                    json!({"content": pieces.iter().zip(&o.logprobs).map(|(tok, lp)| json!({
-                        "token": tok, "logprob": lp, "bytes": tok.as_bytes(), "top_logprobs": []
-                    })).collect::<Vec<_>>()})
-                });
                 json!({"index": i, "message": {"role": "assistant", "content": o.text},
                        "logprobs": logprobs, "finish_reason": finish})
             } else {
-                let logprobs = p.logprobs.then(|| {
-                    let mut offsets = Vec::with_capacity(pieces.len());
-                    let mut at = 0;
-                    for piece in &pieces {
-                        offsets.push(at);
-                        at += piece.len();
-                    }
-                    json!({"tokens": pieces, "token_logprobs": o.logprobs, "top_logprobs": null, "text_offset": offsets})
-                });
-                let mut c = json!({"index": i, "text": o.text, "logprobs": logprobs, "finish_reason": finish});
-                if p.token_ids {
+                let text = format!("{}{}", p.prompt_text, o.text);
+                let mut c = json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish});
+                if r.c.token_ids {
                     c["policy_versions"] = json!(o.versions);
                 }
                 c
@@ -686,10 +864,31 @@ async fn run(s: Arc<AppState>, p: Parsed, chat: bool) -> Response {
         "created": created,
         "model": s.model,
         "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "usage": usage(prompt_tokens, completion_tokens),
     }))
     .into_response()
+}
+
+fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens})
+}
+
+/// A choice that generated nothing (`max_tokens: 0` with `echo`).
+fn empty_output(prompt_len: usize) -> Output {
+    Output {
+        id: 0,
+        prompt_len,
+        tokens: Vec::new(),
+        logprobs: Vec::new(),
+        top_logprobs: Vec::new(),
+        versions: Vec::new(),
+        text: String::new(),
+        finish_reason: FinishReason::Length,
+        queued_at: 0,
+        started_at: 0,
+        finished_at: 0,
+    }
 }
 
 /// A server-sent-event stream fed by a task that sends data strings.

@@ -63,6 +63,10 @@ pub struct RolloutConfig {
     /// Push each new policy version to a remote engine (`POST /v1/load_weights`, which
     /// `streamrl serve` implements); off for servers synced some other way.
     pub sync_weights: bool,
+    /// Name of an environment variable that holds the remote engine's API key, sent as
+    /// `Authorization: Bearer <key>` (`streamrl serve --api-key`, vLLM `--api-key`).
+    /// Unset: no key. The key itself never goes in the topology file.
+    pub api_key_env: Option<String>,
 }
 
 impl Default for RolloutConfig {
@@ -81,6 +85,7 @@ impl Default for RolloutConfig {
             engine: "local".into(),
             served_model_name: None,
             sync_weights: true,
+            api_key_env: None,
         }
     }
 }
@@ -216,7 +221,18 @@ impl RolloutStage {
         } else {
             let tokenizer = Tokenizer::from_file(&cfg.checkpoint.join("tokenizer.json"))
                 .map_err(|e| vec![format!("checkpoint: {e}")])?;
-            let engine = RemoteEngine::new(&cfg.engine, cfg.served_model_name.clone()).map_err(|e| vec![e])?;
+            let key = match &cfg.api_key_env {
+                None => None,
+                Some(var) => match std::env::var(var) {
+                    Ok(k) if !k.is_empty() => Some(k),
+                    _ => {
+                        return Err(vec![format!(
+                            "api_key_env: the environment variable `{var}` is not set (it should hold the remote engine's API key)"
+                        )]);
+                    }
+                },
+            };
+            let engine = RemoteEngine::new(&cfg.engine, cfg.served_model_name.clone(), key).map_err(|e| vec![e])?;
             (
                 Backend::Remote {
                     engine,
