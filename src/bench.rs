@@ -64,6 +64,19 @@ pub enum Which {
         #[arg(long, default_value_t = 5)]
         rounds: usize,
     },
+    /// `streamrl query` (whole processes) vs DuckDB on a run's archive: common queries,
+    /// median wall time each, ratio and geometric mean.
+    Sql {
+        /// Run directory holding `archive/`.
+        #[arg(long, default_value = "runs/demo")]
+        run_dir: std::path::PathBuf,
+        /// Runs per query and engine (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// The streamrl binary to time (default: this one; another build for before/after).
+        #[arg(long)]
+        exe: Option<std::path::PathBuf>,
+    },
     /// Memory bus rows/s (vs an mpsc channel) and, with --kafka, Kafka MB/s (vs raw rdkafka).
     Bus {
         /// Kafka URL for the Kafka half (e.g. kafka://127.0.0.1:9092); omitted: memory only.
@@ -97,6 +110,7 @@ pub async fn run(which: Which) -> Result<()> {
             rounds,
         } => crate::bench_sandbox::run(n, concurrency, pool_size, python, rounds.max(1)),
         Which::Generate { tokens } => crate::bench_generate::generate(tokens),
+        Which::Sql { run_dir, rounds, exe } => crate::bench_sql::run(&run_dir, rounds.max(1), exe),
         Which::Bus {
             kafka,
             rows_per_message,

@@ -249,22 +249,10 @@ fn recompute_tokens_per_sec(model: &Transformer, prompts: &[Vec<u32>], tokens: u
     Ok((tokens * prompts.len()) as f64 / t0.elapsed().as_secs_f64())
 }
 
-/// Where torch and transformers can be imported from: plain `python3`, or with
-/// PYTHONPATH set to the test tools' Python directory (`$STREAMRL_TOOLS_DIR/py`, else
-/// `target/test-tools/py`, where the interop tests install them).
+/// Where torch and transformers can be imported from (see
+/// [`crate::bench_sql::python_importing`]).
 pub(crate) fn torch_python() -> Option<Option<PathBuf>> {
-    let tools = std::env::var_os("STREAMRL_TOOLS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("target/test-tools"))
-        .join("py");
-    [None, Some(tools)].into_iter().find(|path| {
-        let mut c = Command::new("python3");
-        c.args(["-c", "import torch, transformers"]);
-        if let Some(p) = path {
-            c.env("PYTHONPATH", p);
-        }
-        c.output().map(|o| o.status.success()).unwrap_or(false)
-    })
+    crate::bench_sql::python_importing("torch, transformers")
 }
 
 const HF_SCRIPT: &str = r#"

@@ -352,3 +352,38 @@ async fn common_sql_functions_plan_and_run() {
         failures.join("\n")
     );
 }
+
+/// A query reads only the topics it names, and plans from one footer per topic: an
+/// unreadable file under another topic (a crashed foreign writer, a stray copy) does not
+/// stop queries of the healthy ones, and names itself when its own topic is queried.
+/// (When every topic's every footer was read to open the archive, one bad file anywhere
+/// failed every query.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_query_reads_only_the_topics_it_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let _bus = archived_run(dir.path()).await;
+    let junk = dir.path().join("archive/junk");
+    std::fs::create_dir_all(&junk).unwrap();
+    std::fs::write(junk.join("part-x-1-000001.parquet"), b"not parquet at all").unwrap();
+    let sql = Sql::open(dir.path()).await.unwrap();
+    assert!(sql.tables().iter().any(|t| t == "junk"), "{:?}", sql.tables());
+    let n = sql.query("SELECT count(*) AS n FROM rollouts").await.unwrap();
+    let n = arrow::util::display::array_value_to_string(n[0].column(0), 0).unwrap();
+    assert_eq!(n, "40");
+    let joined = sql
+        .query("SELECT count(*) FROM rollouts r JOIN metrics m ON r.step = m.step")
+        .await
+        .unwrap();
+    assert_eq!(joined[0].num_rows(), 1);
+    let e = sql.query("SELECT * FROM junk").await.unwrap_err().to_string();
+    assert!(
+        e.contains("junk") || e.contains("parquet") || e.contains("Parquet"),
+        "{e}"
+    );
+    // A second query on the same session reuses the registered table.
+    let again = sql.query("SELECT max(step) FROM rollouts").await.unwrap();
+    assert_eq!(again[0].num_rows(), 1);
+    // Unknown tables are still reported with the list of known ones.
+    let e = sql.query("SELECT * FROM nope").await.unwrap_err().to_string();
+    assert!(e.contains("nope") && e.contains("rollouts"), "{e}");
+}

@@ -1,13 +1,21 @@
 //! SQL over the archive: one table per topic directory.
+//!
+//! Opening lists the topic directories only; a topic becomes a table the first time a
+//! query names it, with its schema read from the footer of one file (the newest) instead
+//! of every file's, and without per-file statistics at planning. A query over one topic
+//! of a long run therefore reads one footer to plan, not the whole archive's.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use arrow::record_batch::RecordBatch;
-use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
+use datafusion::datasource::file_format::parquet::ParquetFormat;
+use datafusion::datasource::listing::{ListingOptions, ListingTable, ListingTableConfig, ListingTableUrl};
+use datafusion::prelude::{SessionConfig, SessionContext};
 
 use crate::{Error, Result};
 
-/// A DataFusion session with every archived topic registered as a table.
+/// A DataFusion session over the archived topics (each registered on first use).
 pub struct Sql {
     ctx: SessionContext,
     tables: Vec<String>,
@@ -19,8 +27,12 @@ impl Sql {
     pub async fn open(run_dir: &Path) -> Result<Sql> {
         let dir = run_dir.join("archive");
         let entries = std::fs::read_dir(&dir).map_err(|_| Error::NoArchive(dir.display().to_string()))?;
-        // Plain Utf8 (not view types), so rows read back have exactly the topic schemas.
-        let config = SessionConfig::new().set_bool("datafusion.execution.parquet.schema_force_view_types", false);
+        let config = SessionConfig::new()
+            // Plain Utf8 (not view types), so rows read back have exactly the topic schemas.
+            .set_bool("datafusion.execution.parquet.schema_force_view_types", false)
+            // Per-file statistics would read every footer of a table before planning;
+            // pruning still reads the footers of the files a scan opens.
+            .set_bool("datafusion.execution.collect_statistics", false);
         let ctx = SessionContext::new_with_config(config);
         let mut tables = Vec::new();
         for e in entries.flatten() {
@@ -28,19 +40,9 @@ impl Sql {
             let Some(name) = path.file_name().and_then(|n| n.to_str()).map(str::to_string) else {
                 continue;
             };
-            let has_files = std::fs::read_dir(&path)
-                .map(|d| {
-                    d.flatten()
-                        .any(|f| f.file_name().to_string_lossy().ends_with(".parquet"))
-                })
-                .unwrap_or(false);
-            if !path.is_dir() || !has_files {
-                continue;
+            if path.is_dir() && newest_file(&path).is_some() {
+                tables.push(name);
             }
-            let url = format!("{}/", path.display());
-            ctx.register_parquet(&format!("\"{name}\""), &url, ParquetReadOptions::default())
-                .await?;
-            tables.push(name);
         }
         tables.sort();
         Ok(Sql { ctx, tables, dir })
@@ -51,8 +53,56 @@ impl Sql {
         &self.tables
     }
 
+    /// Registers the topics `sql` names that are not tables yet.
+    async fn register_named(&self, sql: &str) -> Result<()> {
+        let state = self.ctx.state();
+        let dialect = state.config().options().sql_parser.dialect;
+        // A statement that does not parse is reported by the query itself.
+        let Ok(statement) = state.sql_to_statement(sql, &dialect) else {
+            return Ok(());
+        };
+        let Ok(refs) = state.resolve_table_references(&statement) else {
+            return Ok(());
+        };
+        for r in refs {
+            let name = r.table();
+            if self.tables.iter().any(|t| t == name) && !self.ctx.table_exist(name)? {
+                self.register(name).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Registers topic `name` as a table with the schema of its newest file.
+    async fn register(&self, name: &str) -> Result<()> {
+        let dir = self.dir.join(name);
+        let newest = newest_file(&dir).ok_or_else(|| Error::EmptyTopic {
+            topic: name.to_string(),
+            dir: self.dir.display().to_string(),
+        })?;
+        let state = self.ctx.state();
+        let options = ListingOptions::new(Arc::new(ParquetFormat::default())).with_file_extension(".parquet");
+        let one = ListingTableConfig::new(ListingTableUrl::parse(newest.display().to_string())?)
+            .with_listing_options(options.clone())
+            .infer_schema(&state)
+            .await?;
+        let schema = one
+            .file_schema
+            .clone()
+            .ok_or_else(|| Error::Sql(format!("no schema could be read from {}", newest.display())))?;
+        let config = ListingTableConfig::new(ListingTableUrl::parse(format!("{}/", dir.display()))?)
+            .with_listing_options(options)
+            .with_schema(schema);
+        self.ctx.register_table(
+            datafusion::common::TableReference::bare(name),
+            Arc::new(ListingTable::try_new(config)?),
+        )?;
+        Ok(())
+    }
+
     /// Runs a query.
     pub async fn query(&self, sql: &str) -> Result<Vec<RecordBatch>> {
+        self.register_named(sql).await?;
         let df = self.ctx.sql(sql).await.map_err(|e| {
             Error::Sql(format!(
                 "{e} (tables: {})",
@@ -80,6 +130,20 @@ impl Sql {
         };
         self.query(&sql).await
     }
+}
+
+/// The newest non-empty `.parquet` file of a topic directory.
+fn newest_file(dir: &Path) -> Option<PathBuf> {
+    std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .filter(|f| f.file_name().to_string_lossy().ends_with(".parquet"))
+        .filter_map(|f| {
+            let m = f.metadata().ok().filter(|m| m.len() > 0)?;
+            Some((m.modified().ok(), f.path()))
+        })
+        .max()
+        .map(|(_, p)| p)
 }
 
 /// How `streamrl query` prints results.
