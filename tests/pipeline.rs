@@ -57,7 +57,8 @@ stages:
     kind: trainer
     inputs: [samples]
     outputs: [policy, trained, metrics]
-    config: { checkpoint: run/sft, groups_per_step: 2, max_steps: 3, keep_last: 2, eval_every: 1, eval_problems: 20 }
+    # Versions travel over HTTP (the trainer serves its checkpoints; replicas download).
+    config: { checkpoint: run/sft, groups_per_step: 2, max_steps: 3, keep_last: 2, eval_every: 1, eval_problems: 20, serve_checkpoints: "127.0.0.1:0" }
   archive: { kind: archive, inputs: all, config: { flush_rows: 100, flush_seconds: 1 } }
 "#;
 
@@ -86,11 +87,35 @@ fn run_warm_starts_then_trains_through_every_stage_and_archives_the_lineage() {
         assert!(ok, "{sql}: {err}");
         out.lines().skip(1).map(str::to_string).collect::<Vec<_>>()
     };
-    // Every policy version 0..=3 was published.
+    // Every policy version 0..=3 was published, as the trainer's HTTP URL.
     assert_eq!(
         q("SELECT DISTINCT version FROM policy ORDER BY version"),
         ["0", "1", "2", "3"]
     );
+    assert_eq!(
+        q("SELECT count(*) FROM policy WHERE uri NOT SIMILAR TO 'http://127.0.0.1:[0-9]+/checkpoints/[0-3]'"),
+        ["0"]
+    );
+    // Both rollout replicas downloaded new versions into their caches and swapped them
+    // in; none failed to load.
+    assert_eq!(
+        q("SELECT count(*) > 0 FROM metrics WHERE name = 'policy_version' AND value >= 1"),
+        ["true"]
+    );
+    assert_eq!(
+        q("SELECT count(*) FROM metrics WHERE name = 'weight_load_failures'"),
+        ["0"]
+    );
+    for r in ["rollout-0", "rollout-1"] {
+        let cached: Vec<String> = std::fs::read_dir(dir.path().join("run/weights").join(r))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(
+            cached.iter().any(|n| n.starts_with('v')),
+            "{r} fetched nothing: {cached:?}"
+        );
+    }
     // Rollouts carry per-token versions and logprobs; each sample went through every stage.
     let r = q(
         "SELECT count(*) FROM rollouts r JOIN scored s ON r.sample_id = s.sample_id \
@@ -191,7 +216,8 @@ fn run_trains_on_multi_turn_tool_trajectories_executed_in_sandboxes() {
         .replace("max_steps: 3, max_tokens: 8,", "max_steps: 2, max_tokens: 48, temperature: 0.7,")
         .replace("config: { checkpoint: run/sft, max_inflight_groups: 2 }", "config: { checkpoint: run/sft, max_inflight_groups: 2, turn_max_tokens: 32 }")
         .replace(
-            "groups_per_step: 2, max_steps: 3, keep_last: 2, eval_every: 1, eval_problems: 20 }",
+            // Versions as file:// paths here (the other test covers HTTP).
+            r#"groups_per_step: 2, max_steps: 3, keep_last: 2, eval_every: 1, eval_problems: 20, serve_checkpoints: "127.0.0.1:0" }"#,
             "groups_per_step: 2, max_steps: 2, keep_last: 2, train: { temperature: 0.7 } }",
         );
     assert!(

@@ -2,21 +2,14 @@
 //! delete) over HTTP with bearer-token auth; requests without the token get 401 and
 //! malformed ones a 4xx with the reason.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 const TOKEN: &str = "test-token-0123456789abcdef";
 
@@ -89,7 +82,7 @@ fn the_gateway_runs_commands_and_sessions_behind_a_token() {
     std::fs::hard_link(env!("CARGO_BIN_EXE_streamrl"), &bin)
         .or_else(|_| std::fs::copy(env!("CARGO_BIN_EXE_streamrl"), &bin).map(|_| ()))
         .unwrap();
-    let _server = Server(
+    let _server = common::Server(
         Command::new(&bin)
             .args([
                 "sandbox",

@@ -5,17 +5,8 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 const CLIENT: &str = r#"
 import json, sys, urllib.request, urllib.error
@@ -93,13 +84,13 @@ fn init_tiny(dir: &Path, seed: &str) {
 }
 
 /// `streamrl serve` on a free port with `args` and `envs`, once it listens.
-fn start_serve(ckpt: &Path, args: &[&str], envs: &[(&str, &str)]) -> (Server, u16) {
+fn start_serve(ckpt: &Path, args: &[&str], envs: &[(&str, &str)]) -> (common::Server, u16) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let server = Server(
+    let server = common::Server(
         Command::new(env!("CARGO_BIN_EXE_streamrl"))
             .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--checkpoint"])
             .arg(ckpt)
@@ -445,4 +436,27 @@ async fn the_rollout_stage_drives_serve_as_a_remote_engine_with_weight_updates()
         c.iter().all(|x| x.completion_versions.iter().all(|v| *v == 1)),
         "tokens come from version 1"
     );
+    // A version served over HTTP by a trainer (no shared disk): the stage sends the URL,
+    // the server downloads, checks and swaps it in.
+    let ckpts = streamrl_stages::weights::CheckpointServer::start(
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+        dir.path().join("no-store"),
+        v0.clone(),
+    )
+    .unwrap();
+    let sha0 = streamrl_model::checkpoint::weights_sha256(&v0).unwrap();
+    let over_http = PolicyRow {
+        version: 2,
+        step: 2,
+        uri: format!("{}/checkpoints/0", ckpts.base_url()),
+        ..policy(sha0)
+    };
+    r.process(load(over_http), &mut out).await.unwrap();
+    assert_eq!(r.version(), 2, "the HTTP version was loaded");
+    let d = generate(&mut r, prompt("g1")).await;
+    assert!(d.iter().all(|x| x.completion_versions.iter().all(|v| *v == 2)));
+    // Version 0's weights again: the same tokens as the first generation of g1.
+    for (x, y) in a.iter().zip(&d) {
+        assert_eq!(x.completion_token_ids, y.completion_token_ids);
+    }
 }

@@ -113,6 +113,9 @@ struct AppState {
     context: usize,
     vocab: usize,
     api_key: Option<String>,
+    /// Downloads `http://` checkpoints (`load_weights` with a URL) into `weights`.
+    http: reqwest::Client,
+    weights: tempfile::TempDir,
 }
 
 /// The engine loop: admits new requests between steps, routes events, cancels requests
@@ -245,6 +248,8 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
         context,
         vocab,
         api_key: a.api_key,
+        http: reqwest::Client::new(),
+        weights: tempfile::Builder::new().prefix("streamrl-serve-weights-").tempdir()?,
     });
     // Every route but /health is behind the key (the fallback too: unknown paths do not
     // tell an unauthenticated caller which routes exist).
@@ -437,6 +442,8 @@ async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
 
 /// `POST /v1/load_weights {"path", "version", "sha256"?}`: an in-flight weight update
 /// (the rollout stage's `engine: openai://` sends the trainer's new versions here).
+/// `path` is a checkpoint directory this server can read, or the `http://` URL of a
+/// checkpoint a trainer serves (downloaded and checked first).
 async fn load_weights(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     #[derive(serde::Deserialize)]
     struct Load {
@@ -480,10 +487,20 @@ async fn load_weights(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
             Some("version"),
         );
     };
+    let dir = match streamrl_stages::weights::fetch(&s.http, &path, s.weights.path()).await {
+        Ok(d) => d,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("the weights were not loaded (the old ones keep serving): {e}"),
+                Some("path"),
+            );
+        }
+    };
     let (reply, rx) = tokio::sync::oneshot::channel();
     if s.engine
         .send(Cmd::Load {
-            dir: PathBuf::from(path),
+            dir,
             version,
             sha256: load.sha256,
             reply,

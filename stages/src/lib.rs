@@ -24,6 +24,7 @@ pub mod sandbox;
 pub mod source;
 pub mod train;
 pub mod trainer;
+pub mod weights;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -246,10 +246,11 @@ impl RemoteEngine {
         }
     }
 
-    /// Pushes a new policy version to the server (`POST /v1/load_weights`).
-    pub async fn load_weights(&mut self, path: &std::path::Path, version: u32, sha256: &str) -> Result<(), String> {
+    /// Pushes a new policy version to the server (`POST /v1/load_weights`): `location` is a
+    /// checkpoint directory the server can read or an `http://` checkpoint URL it fetches.
+    pub async fn load_weights(&mut self, location: &str, version: u32, sha256: &str) -> Result<(), String> {
         let url = format!("{}/v1/load_weights", self.base);
-        let body = json!({"path": path, "version": version, "sha256": sha256});
+        let body = json!({"path": location, "version": version, "sha256": sha256});
         post_json(&self.client, &url, self.api_key.as_deref(), &body).await?;
         self.version = version;
         Ok(())

@@ -170,6 +170,8 @@ pub struct RolloutStage {
     /// Continuations being generated, by rollout id.
     turns: std::collections::HashSet<String>,
     load_failures: u64,
+    /// Downloads `http://` policy versions (a trainer serving its checkpoints).
+    http: reqwest::Client,
 }
 
 impl std::fmt::Debug for RolloutStage {
@@ -252,6 +254,7 @@ impl RolloutStage {
             requests: HashMap::new(),
             turns: Default::default(),
             load_failures: 0,
+            http: reqwest::Client::new(),
         })
     }
 
@@ -592,14 +595,24 @@ impl RolloutStage {
         if p.version <= self.version() {
             return;
         }
-        let dir = uri_path(&p.uri);
         let t0 = Instant::now();
         let sync = self.cfg.sync_weights;
+        // An http:// version is downloaded into this replica's cache first (a remote
+        // engine is sent the URL and fetches it itself).
+        let cache = self.ctx.run_dir.join("weights").join(self.ctx.instance());
         let r = match &mut self.backend {
-            Backend::Local(engine) => {
-                compute(|| engine.load_weights(&dir, p.version, Some(&p.sha256))).map_err(|e| e.to_string())
+            Backend::Local(engine) => match crate::weights::fetch(&self.http, &p.uri, &cache).await {
+                Ok(dir) => compute(|| engine.load_weights(&dir, p.version, Some(&p.sha256))).map_err(|e| e.to_string()),
+                Err(e) => Err(e),
+            },
+            Backend::Remote { engine, .. } if sync => {
+                let location = if p.uri.starts_with("http") {
+                    p.uri.clone()
+                } else {
+                    uri_path(&p.uri).display().to_string()
+                };
+                engine.load_weights(&location, p.version, &p.sha256).await
             }
-            Backend::Remote { engine, .. } if sync => engine.load_weights(&dir, p.version, &p.sha256).await,
             Backend::Remote { engine, .. } => {
                 engine.set_version(p.version);
                 Ok(())

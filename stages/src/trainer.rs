@@ -72,6 +72,14 @@ pub struct TrainerConfig {
     pub dedup_window: u64,
     /// Completion tokens at most in the held-out evaluation.
     pub eval_max_tokens: usize,
+    /// Serve checkpoints over HTTP on this `host:port` (port 0: any free one), so that
+    /// readers need no shared disk: `policy` rows then carry
+    /// `http://…/checkpoints/<version>` (see `streamrl_stages::weights`). Unset: `file://`
+    /// paths, for readers on this host or a shared volume.
+    pub serve_checkpoints: Option<String>,
+    /// The base URL readers reach that server at (default `http://<bound address>`;
+    /// required when `serve_checkpoints` listens on an unspecified address like 0.0.0.0).
+    pub checkpoint_url: Option<String>,
 }
 
 impl Default for TrainerConfig {
@@ -89,6 +97,8 @@ impl Default for TrainerConfig {
             eval_problems: 200,
             eval_max_tokens: 16,
             dedup_window: 64,
+            serve_checkpoints: None,
+            checkpoint_url: None,
         }
     }
 }
@@ -111,6 +121,22 @@ impl TrainerConfig {
         }
         if self.keep_last == 0 {
             p.push("keep_last must be at least 1 (rollout replicas load the newest)".into());
+        }
+        match (&self.serve_checkpoints, &self.checkpoint_url) {
+            (None, Some(u)) => p.push(format!(
+                "checkpoint_url `{u}` needs serve_checkpoints (the address to serve them on)"
+            )),
+            (Some(a), url) => match a.parse::<std::net::SocketAddr>() {
+                Err(e) => p.push(format!("serve_checkpoints `{a}` is not a host:port address: {e}")),
+                Ok(addr) if addr.ip().is_unspecified() && url.is_none() => p.push(format!(
+                    "serve_checkpoints `{a}` listens on every interface: set checkpoint_url to the URL readers reach it at"
+                )),
+                Ok(_) => {}
+            },
+            (None, None) => {}
+        }
+        if let Some(u) = self.checkpoint_url.as_ref().filter(|u| !u.starts_with("http://")) {
+            p.push(format!("checkpoint_url `{u}` must start with http://"));
         }
         p.extend(self.train.problems().into_iter().map(|e| format!("train.{e}")));
         p
@@ -155,6 +181,20 @@ pub struct TrainerStage {
     missing: u64,
     /// The chat template prompts are rendered with (held-out evaluation).
     template: ChatTemplate,
+    /// The checkpoint server's socket, bound at build, served from `start`.
+    ckpt_listener: Option<std::net::TcpListener>,
+    /// The checkpoint server, once started.
+    ckpt_server: Option<crate::weights::CheckpointServer>,
+    /// Base URL of the published checkpoints (`None`: `file://` paths).
+    ckpt_base: Option<String>,
+}
+
+/// The URI `policy` carries for `version` stored in `dir`.
+fn policy_uri(base: Option<&str>, version: u64, dir: &Path) -> String {
+    match base {
+        Some(b) => format!("{}/checkpoints/{version}", b.trim_end_matches('/')),
+        None => format!("file://{}", abs(dir).display()),
+    }
 }
 
 impl std::fmt::Debug for TrainerStage {
@@ -193,6 +233,20 @@ impl TrainerStage {
             return Err(errs);
         }
         let store = ctx.run_dir.join("checkpoints");
+        let ckpt_listener = match &cfg.serve_checkpoints {
+            Some(a) => {
+                Some(std::net::TcpListener::bind(a).map_err(|e| vec![format!("serve_checkpoints: binding {a}: {e}")])?)
+            }
+            None => None,
+        };
+        let ckpt_base = match (&cfg.checkpoint_url, &ckpt_listener) {
+            (Some(u), _) => Some(u.clone()),
+            (None, Some(l)) => Some(format!(
+                "http://{}",
+                l.local_addr().map_err(|e| vec![format!("serve_checkpoints: {e}")])?
+            )),
+            (None, None) => None,
+        };
         let (dir, state) = match latest_checkpoint(&store) {
             Some((_, dir)) => {
                 let path = dir.join("trainer_state.json");
@@ -216,11 +270,14 @@ impl TrainerStage {
             run_id: ctx.run_id.clone(),
             version: state.version as u32,
             step: state.version,
-            uri: format!("file://{}", abs(&dir).display()),
+            uri: policy_uri(ckpt_base.as_deref(), state.version, &dir),
             sha256: sha,
             created_at: now_ms(),
         };
         Ok(TrainerStage {
+            ckpt_listener,
+            ckpt_server: None,
+            ckpt_base,
             consumed: state
                 .consumed_by_step
                 .into_iter()
@@ -469,7 +526,7 @@ impl TrainerStage {
             run_id: self.ctx.run_id.clone(),
             version: self.version as u32,
             step: self.version,
-            uri: format!("file://{}", abs(&dir).display()),
+            uri: policy_uri(self.ckpt_base.as_deref(), self.version, &dir),
             sha256: sha,
             created_at: now_ms(),
         };
@@ -625,6 +682,12 @@ impl TrainerStage {
 #[async_trait]
 impl Stage for TrainerStage {
     async fn start(&mut self, out: &mut Emitter) -> Result<(), StageError> {
+        if let Some(l) = self.ckpt_listener.take() {
+            let server = crate::weights::CheckpointServer::start(l, self.store.clone(), self.cfg.checkpoint.clone())
+                .map_err(|e| StageError::internal(format!("serve_checkpoints: {e}")))?;
+            tracing::info!(addr = %server.addr(), base = ?self.ckpt_base, "trainer: serving checkpoints over HTTP");
+            self.ckpt_server = Some(server);
+        }
         // Announce the version serving now (a resumed trainer's newest checkpoint), unless a
         // durable bus already has it.
         let mut unpublished = self.published.is_none_or(|p| p < self.version);
@@ -729,5 +792,35 @@ impl Stage for TrainerStage {
             self.train_step(out)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checkpoint_serving_settings_are_checked_together() {
+        let with = |serve: Option<&str>, url: Option<&str>| {
+            TrainerConfig {
+                checkpoint: "ckpt".into(),
+                serve_checkpoints: serve.map(str::to_string),
+                checkpoint_url: url.map(str::to_string),
+                ..Default::default()
+            }
+            .problems()
+            .join("; ")
+        };
+        assert_eq!(with(None, None), "");
+        assert_eq!(with(Some("127.0.0.1:0"), None), "");
+        assert_eq!(with(Some("0.0.0.0:8400"), Some("http://trainer:8400")), "");
+        assert!(with(Some("0.0.0.0:8400"), None).contains("set checkpoint_url"));
+        assert!(with(Some("trainer"), None).contains("`trainer` is not a host:port"));
+        assert!(with(None, Some("http://x:1")).contains("needs serve_checkpoints"));
+        assert!(with(Some("127.0.0.1:0"), Some("ftp://x")).contains("must start with http://"));
+        assert_eq!(
+            policy_uri(Some("http://t:1/"), 7, Path::new("/x")),
+            "http://t:1/checkpoints/7"
+        );
     }
 }

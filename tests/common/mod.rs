@@ -66,6 +66,16 @@ pub fn tansu_binary() -> PathBuf {
     bin
 }
 
+/// A child process killed and reaped when dropped (a server a test started).
+pub struct Server(pub std::process::Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
