@@ -77,6 +77,13 @@ pub enum Which {
         #[arg(long)]
         exe: Option<std::path::PathBuf>,
     },
+    /// Weight-sync time (publication → every replica serving) over HTTP from the trainer's
+    /// checkpoint server vs file:// on a shared disk; tiny and small, 1 and 4 replicas.
+    Weights {
+        /// Versions published per row (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        versions: usize,
+    },
     /// Memory bus rows/s (vs an mpsc channel) and, with --kafka, Kafka MB/s (vs raw rdkafka).
     Bus {
         /// Kafka URL for the Kafka half (e.g. kafka://127.0.0.1:9092); omitted: memory only.
@@ -110,6 +117,7 @@ pub async fn run(which: Which) -> Result<()> {
             rounds,
         } => crate::bench_sandbox::run(n, concurrency, pool_size, python, rounds.max(1)),
         Which::Generate { tokens } => crate::bench_generate::generate(tokens),
+        Which::Weights { versions } => crate::bench_weights::run(versions.max(1)),
         Which::Sql { run_dir, rounds, exe } => crate::bench_sql::run(&run_dir, rounds.max(1), exe),
         Which::Bus {
             kafka,

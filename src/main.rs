@@ -10,6 +10,7 @@ mod bench_generate;
 mod bench_sandbox;
 mod bench_sql;
 mod bench_train;
+mod bench_weights;
 mod model_cmd;
 mod plot;
 mod progress;

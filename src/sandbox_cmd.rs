@@ -418,10 +418,5 @@ pub async fn run(cmd: SandboxCmd) -> Result<()> {
         .await
         .with_context(|| format!("listening on {}", a.listen))?;
     eprintln!("sandbox gateway on http://{}", listener.local_addr()?);
-    let shutdown = streamrl_runtime::runner::Shutdown::new();
-    shutdown.on_signals();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move { shutdown.wait().await })
-        .await?;
-    Ok(())
+    crate::serve::until_signalled(listener, app).await
 }

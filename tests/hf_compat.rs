@@ -15,6 +15,24 @@ use std::process::Command;
 
 use serde_json::{Value, json};
 
+/// Runs a Python `script` with `args` in an interpreter that has torch and transformers
+/// (installed for the tests when missing); its stdout is JSON.
+fn transformers(script: &str, args: &[std::ffi::OsString]) -> serde_json::Value {
+    let (python, path) = common::python_with(&["torch==2.15.0", "transformers==5.24.0"]);
+    let mut cmd = Command::new(&python);
+    cmd.arg("-c").arg(script).args(args);
+    if let Some(p) = &path {
+        cmd.env("PYTHONPATH", p);
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "transformers failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 const CHECK: &str = r#"
 import json, sys, torch
 from transformers import AutoModelForCausalLM
@@ -66,27 +84,9 @@ fn checkpoints_load_in_transformers_with_the_same_logits() {
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         ours.push((d, v["logits"].clone()));
     }
-    let (python, path) = common::python_with(&["torch==2.15.0", "transformers==5.24.0"]);
-    // `script` run by the interpreter that has torch and transformers.
-    let python_script = |script: &str| {
-        let mut cmd = Command::new(&python);
-        cmd.arg("-c").arg(script);
-        if let Some(p) = &path {
-            cmd.env("PYTHONPATH", p);
-        }
-        cmd
-    };
-    let out = python_script(CHECK)
-        .arg(tokens)
-        .args(ours.iter().map(|(d, _)| d))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "transformers failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let theirs: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut args = vec![std::ffi::OsString::from(tokens)];
+    args.extend(ours.iter().map(|(d, _)| d.clone().into_os_string()));
+    let theirs = transformers(CHECK, &args);
     for ((d, mine), (kind, class)) in ours.iter().zip(kinds) {
         let t = &theirs[d.to_str().unwrap()];
         assert_eq!(t["class"], class, "{kind}");
@@ -107,14 +107,7 @@ fn checkpoints_load_in_transformers_with_the_same_logits() {
     // with tokenizer_config.json's special tokens, and agree with streamrl's tokenizer.
     let d = &ours[0].0;
     let text = "12+30=42\nWhat is 7*8? {x}~<eos>";
-    let out = python_script(TOKENIZER_CHECK).arg(d).arg(text).output().unwrap();
-    assert!(
-        out.status.success(),
-        "AutoTokenizer failed on {}: {}",
-        d.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let theirs: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let theirs = transformers(TOKENIZER_CHECK, &[d.clone().into_os_string(), text.into()]);
     let tok = streamrl_model::Tokenizer::from_file(&d.join("tokenizer.json")).unwrap();
     let ids = tok.encode(text).unwrap();
     let their_ids: Vec<u32> = serde_json::from_value(theirs["ids"].clone()).unwrap();
@@ -299,25 +292,14 @@ fn checkpoints_saved_by_transformers_load_with_the_same_logits_or_are_refused() 
         .chain(&refused)
         .map(|(name, cfg)| (name.to_string(), cfg.clone()))
         .collect();
-    let (python, path) = common::python_with(&["torch==2.15.0", "transformers==5.24.0"]);
-    let mut cmd = Command::new(&python);
-    if let Some(p) = &path {
-        cmd.env("PYTHONPATH", p);
-    }
-    let out = cmd
-        .arg("-c")
-        .arg(BUILD)
-        .arg(Value::Object(spec).to_string())
-        .arg(dir.path())
-        .arg(&tokens)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "transformers failed: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let theirs = transformers(
+        BUILD,
+        &[
+            Value::Object(spec).to_string().into(),
+            dir.path().into(),
+            tokens.clone().into(),
+        ],
     );
-    let theirs: Value = serde_json::from_slice(&out.stdout).unwrap();
     let saved = |name: &str| dir.path().join(name);
 
     for (name, _) in &supported {

@@ -276,8 +276,18 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
             ""
         }
     );
+    until_signalled(listener, app).await
+}
+
+/// Serves `app` on `listener` until SIGINT or SIGTERM, then finishes the requests in
+/// flight (`streamrl serve` and `streamrl sandbox serve`).
+pub async fn until_signalled(listener: tokio::net::TcpListener, app: Router) -> Result<()> {
     let shutdown = streamrl_runtime::runner::Shutdown::new();
     shutdown.on_signals();
+    // Streamed tokens and small answers go out at once (no Nagle + delayed-ACK stalls).
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.wait().await })
         .await?;

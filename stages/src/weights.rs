@@ -126,6 +126,10 @@ impl CheckpointServer {
         let app = Router::new()
             .route("/checkpoints/{version}/{file}", get(file))
             .with_state(shared);
+        // Small responses (the manifest) must not wait on Nagle + delayed ACKs (~40 ms each).
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         let task = tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(error = %e, "checkpoint server stopped");

@@ -1,0 +1,106 @@
+//! `streamrl bench weights`: weight-sync time, from a version's publication to every
+//! replica serving it, through the trainer's checkpoint server over HTTP (download, check
+//! each file, load, swap into a running engine) against `file://` on a shared disk (load,
+//! swap) in the same process, for the tiny and small presets and 1 and 4 replicas.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Result, anyhow};
+use candle_core::Device;
+use streamrl_model::engine::{Engine, EngineConfig};
+use streamrl_model::{Tokenizer, checkpoint, config};
+use streamrl_stages::weights::{CheckpointServer, fetch};
+
+/// Publication → every replica serving, in ms: each replica loads `location` (fetched
+/// first when it is an `http://` URL) as `version`, all at once on their own threads.
+fn sync_ms(engines: &mut [Engine], location: &str, version: u32, sha: &str, cache: &Path) -> Result<f64> {
+    let rt = tokio::runtime::Handle::current();
+    let client = reqwest::Client::new();
+    let t0 = Instant::now();
+    tokio::task::block_in_place(|| {
+        std::thread::scope(|s| {
+            let tasks: Vec<_> = engines
+                .iter_mut()
+                .enumerate()
+                .map(|(r, e)| {
+                    let (rt, client) = (rt.clone(), client.clone());
+                    let cache = cache.join(format!("replica-{r}"));
+                    s.spawn(move || -> Result<()> {
+                        let dir = rt.block_on(fetch(&client, location, &cache)).map_err(|e| anyhow!(e))?;
+                        e.load_weights(&dir, version, Some(sha))?;
+                        Ok(())
+                    })
+                })
+                .collect();
+            tasks
+                .into_iter()
+                .try_for_each(|t| t.join().map_err(|_| anyhow!("a replica panicked"))?)
+        })
+    })?;
+    Ok(t0.elapsed().as_secs_f64() * 1e3)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub fn run(versions: usize) -> Result<()> {
+    println!(
+        "streamrl bench weights (profile: {}): publication → every replica serving, median of {versions} versions",
+        if cfg!(debug_assertions) { "debug" } else { "release" }
+    );
+    println!();
+    println!(
+        "{:<8} {:>9} {:>9} {:>14} {:>14} {:>7}",
+        "preset", "MB", "replicas", "file:// (ms)", "http:// (ms)", "ratio"
+    );
+    let tok = Tokenizer::char_level();
+    for preset in ["tiny", "small"] {
+        let root = tempfile::tempdir()?;
+        let (store, init) = (root.path().join("checkpoints"), root.path().join("init"));
+        let hf = config::preset(preset, tok.vocab_size())?;
+        let loaded = checkpoint::init_seeded(&hf, &Device::Cpu, Some(0))?;
+        checkpoint::save(&init, &hf, &loaded.vars, Some(&tok), None)?;
+        let server = CheckpointServer::start(std::net::TcpListener::bind("127.0.0.1:0")?, store.clone(), init.clone())?;
+        let mb = std::fs::metadata(init.join("model.safetensors"))?.len() as f64 / 1e6;
+        let mut version = 0u32;
+        for replicas in [1usize, 4] {
+            let mut engines = (0..replicas)
+                .map(|_| {
+                    let m = checkpoint::load(&init, &Device::Cpu)?;
+                    Ok(Engine::new(m.model, 0, m.tokenizer, EngineConfig::default()))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let (mut file, mut http) = (Vec::new(), Vec::new());
+            for _ in 0..versions {
+                // The trainer's part, not timed: write the version and know its hash.
+                version += 1;
+                let dir = store.join(format!("step-{version:06}"));
+                let sha = checkpoint::save(&dir, &hf, &loaded.vars, Some(&tok), None)?;
+                let cache = root.path().join("cache");
+                file.push(sync_ms(
+                    &mut engines,
+                    &format!("file://{}", dir.display()),
+                    version,
+                    &sha,
+                    &cache,
+                )?);
+                version += 1;
+                let dir2 = store.join(format!("step-{version:06}"));
+                std::fs::rename(&dir, &dir2)?;
+                let url = format!("{}/checkpoints/{version}", server.base_url());
+                http.push(sync_ms(&mut engines, &url, version, &sha, &cache)?);
+                std::fs::remove_dir_all(&dir2)?;
+            }
+            let (f, h) = (median(file), median(http));
+            println!("{preset:<8} {mb:>9.1} {replicas:>9} {f:>14.1} {h:>14.1} {:>7.2}", h / f);
+        }
+    }
+    println!("  file://: every replica loads the published directory from a shared disk and swaps;");
+    println!("  http://: every replica downloads it from the trainer's checkpoint server into its own");
+    println!("  cache (each file checked against the manifest), then loads and swaps. One process,");
+    println!("  one thread per replica; the weights hash is checked in both.");
+    Ok(())
+}
