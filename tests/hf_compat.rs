@@ -363,3 +363,82 @@ fn checkpoints_saved_by_transformers_load_with_the_same_logits_or_are_refused() 
         "{err}"
     );
 }
+
+/// transformers loads a checkpoint written by `streamrl model import` from the SmolLM2 GGUF:
+/// its chat template renders the same prompt, its tokenizer gives the same ids, and its
+/// model the same logits as streamrl's.
+const IMPORTED: &str = r#"
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+ckpt, messages, ours = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+tok = AutoTokenizer.from_pretrained(ckpt)
+text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+ids = tok(text, add_special_tokens=False)["input_ids"]
+m = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+with torch.no_grad():
+    logits = m(torch.tensor([ids])).logits[0]
+mine = torch.tensor(json.load(open(ours))["logits"])
+diff = (logits - mine).abs().max().item() if mine.shape == logits.shape else None
+print(json.dumps({"text": text, "ids": ids, "eos": tok.eos_token, "max_diff": diff,
+                  "argmax_equal": bool((logits.argmax(-1) == mine.argmax(-1)).all()) if diff is not None else False}))
+"#;
+
+#[test]
+fn a_gguf_imported_by_streamrl_loads_in_transformers_with_its_chat_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("smollm2");
+    let bin = env!("CARGO_BIN_EXE_streamrl");
+    let out = Command::new(bin)
+        .args(["model", "import", "--gguf"])
+        .arg(common::smollm2::smollm2_gguf())
+        .arg("--out")
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("with its chat template"));
+    // streamrl's own rendering and tokens.
+    let messages = json!([
+        {"role": "system", "content": "Answer with a number in \\boxed{}."},
+        {"role": "user", "content": "What is 12 + 30?"}
+    ]);
+    let chat: Vec<streamrl_model::chat::ChatMessage> = messages
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| streamrl_model::chat::ChatMessage {
+            role: m["role"].as_str().unwrap().into(),
+            content: m["content"].as_str().unwrap().into(),
+        })
+        .collect();
+    let text = streamrl_model::chat::ChatTemplate::for_checkpoint(&ckpt)
+        .unwrap()
+        .render(&chat, true)
+        .unwrap();
+    let tok = streamrl_model::Tokenizer::from_file(&ckpt.join("tokenizer.json")).unwrap();
+    let ids = tok.encode(&text).unwrap();
+    let tokens: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let logits = Command::new(bin)
+        .args(["model", "logits", "--tokens", &tokens.join(","), "--checkpoint"])
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    assert!(logits.status.success(), "{}", String::from_utf8_lossy(&logits.stderr));
+    let ours = dir.path().join("ours.json");
+    std::fs::write(&ours, &logits.stdout).unwrap();
+    let theirs = transformers(
+        IMPORTED,
+        &[ckpt.clone().into(), messages.to_string().into(), ours.into()],
+    );
+    assert_eq!(theirs["text"], text.as_str(), "chat template rendering");
+    let their_ids: Vec<u32> = serde_json::from_value(theirs["ids"].clone()).unwrap();
+    assert_eq!(their_ids, ids, "token ids of the rendered chat");
+    assert_eq!(theirs["eos"], "<|im_end|>");
+    let d = theirs["max_diff"].as_f64().expect("same logits shape");
+    eprintln!("{} positions, largest logit difference {d:.2e}", ids.len());
+    assert!(
+        d < 1e-3 && theirs["argmax_equal"] == true,
+        "logits differ from transformers by up to {d} over {} positions",
+        ids.len()
+    );
+}

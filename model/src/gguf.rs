@@ -231,6 +231,35 @@ fn tokenizer(c: &Content, path: &Path) -> Result<Tokenizer> {
     {
         t.bos = Some(bos);
     }
+    // tokenizer_config.json as Hugging Face tools expect it: the class, the special tokens
+    // by name, and the chat template the GGUF carries.
+    let mut cfg = serde_json::Map::new();
+    cfg.insert("tokenizer_class".into(), "PreTrainedTokenizerFast".into());
+    let name = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).cloned();
+    if let Some(eos) = name(t.eos) {
+        cfg.insert("eos_token".into(), eos.into());
+    }
+    if let Some(bos) = name(t.bos) {
+        cfg.insert("bos_token".into(), bos.into());
+    }
+    if let Some(pad) = name(
+        c.metadata
+            .get("tokenizer.ggml.padding_token_id")
+            .and_then(|v| v.to_u32().ok()),
+    ) {
+        cfg.insert("pad_token".into(), pad.into());
+    }
+    if let Some(template) = c
+        .metadata
+        .get("tokenizer.chat_template")
+        .and_then(|v| v.to_string().ok())
+    {
+        cfg.insert("chat_template".into(), template.clone().into());
+    }
+    if let Some(ctx) = c.metadata.get("llama.context_length").and_then(|v| v.to_u32().ok()) {
+        cfg.insert("model_max_length".into(), ctx.into());
+    }
+    t.set_config(cfg);
     Ok(t)
 }
 

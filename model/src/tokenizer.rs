@@ -123,6 +123,11 @@ impl Tokenizer {
         &self.config
     }
 
+    /// Replaces the `tokenizer_config.json` written beside `tokenizer.json`.
+    pub fn set_config(&mut self, config: serde_json::Map<String, serde_json::Value>) {
+        self.config = config;
+    }
+
     /// Token ids of `text` (no special tokens added).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self

