@@ -100,6 +100,9 @@ pub struct LossMetrics {
     pub masked_high: f32,
     /// Mismatch KL between trainer and sampler, `mean(r − log r − 1)` over trainable tokens.
     pub mismatch_kl: f32,
+    /// Largest |trainer − sampler| logprob over trainable tokens (clamped at
+    /// [`MAX_LOG_RATIO`]): 0 up to rounding when the sampler ran the trainer's weights.
+    pub max_abs_log_ratio: f32,
     /// Fraction of trainable tokens (or sequences, for GSPO) whose objective was clipped.
     pub clip_fraction: f32,
 }
@@ -192,9 +195,16 @@ pub fn compute(kind: LossKind, x: LossInputs<'_>) -> Result<(Tensor, LossMetrics
     let sampler = Tensor::new(shift.as_slice(), dev)?;
     let ratio = (x.logprobs - &sampler)?.exp()?;
     let weights = |w: Vec<f32>| Tensor::new(w.as_slice(), dev);
+    let max_abs_log_ratio = clamped
+        .iter()
+        .zip(x.mask)
+        .filter(|(_, m)| **m > 0.0)
+        .map(|(l, _)| l.abs())
+        .fold(0.0f32, f32::max);
     let mut m = LossMetrics {
         tokens,
         mismatch_kl,
+        max_abs_log_ratio,
         ..Default::default()
     };
     let loss = match kind {

@@ -118,6 +118,8 @@ pub struct StepReport {
     pub masked_high: f32,
     /// Mismatch KL between trainer and sampler.
     pub mismatch_kl: f32,
+    /// Largest |trainer − sampler| logprob over the step's trainable tokens.
+    pub max_logprob_diff: f32,
     /// Clip fraction (clipped losses).
     pub clip_fraction: f32,
     /// Mean entropy of the trainer's next-token distributions on trainable tokens.
@@ -316,6 +318,7 @@ impl Learner {
             report.masked_low += m.masked_low * w;
             report.masked_high += m.masked_high * w;
             report.mismatch_kl += m.mismatch_kl * w;
+            report.max_logprob_diff = report.max_logprob_diff.max(m.max_abs_log_ratio);
             report.clip_fraction += m.clip_fraction * w;
             report.entropy += ent * w;
             grads = Some(match grads {

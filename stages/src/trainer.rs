@@ -552,6 +552,7 @@ impl TrainerStage {
             ("masked_low".into(), report.masked_low as f64),
             ("masked_high".into(), report.masked_high as f64),
             ("mismatch_kl".into(), report.mismatch_kl as f64),
+            ("max_logprob_diff".into(), report.max_logprob_diff as f64),
             ("clip_fraction".into(), report.clip_fraction as f64),
             ("entropy".into(), report.entropy as f64),
             ("grad_norm".into(), report.grad_norm as f64),
