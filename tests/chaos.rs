@@ -23,6 +23,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::query;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -245,21 +246,6 @@ fn run(bus: &str, shape: Shape, mut faults: impl FnMut(&Moment)) -> Run {
         kills: BTreeMap::new(),
         up_log,
     }
-}
-
-/// One SQL answer as CSV lines (header dropped).
-fn query(dir: &Path, sql: &str) -> Vec<String> {
-    let out = Command::new(env!("CARGO_BIN_EXE_streamrl"))
-        .args(["query", sql, "--format", "csv"])
-        .current_dir(dir)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{sql}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .skip(1)
-        .map(str::to_string)
-        .collect()
 }
 
 fn number(dir: &Path, sql: &str) -> i64 {

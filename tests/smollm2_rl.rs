@@ -74,19 +74,7 @@ fn smollm2_runs_the_rl_loop_and_sampler_logprobs_equal_the_trainers() {
     let err = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "run failed:\n{err}");
     assert!(err.contains("trainer reached max_steps 2"), "{err}");
-    let q = |sql: &str| {
-        let out = Command::new(bin)
-            .args(["query", sql, "--format", "csv"])
-            .current_dir(dir.path())
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{sql}: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .skip(1)
-            .map(str::to_string)
-            .collect::<Vec<_>>()
-    };
+    let q = |sql: &str| common::query(dir.path(), sql);
     // The prompts went through SmolLM2's own chat template (ChatML with the system prompt).
     let prompts = q("SELECT prompt FROM rollouts LIMIT 1").join("\n");
     assert!(

@@ -337,3 +337,19 @@ pub fn rollout(i: u32) -> streamrl_schemas::RolloutRow {
         created_at: 1_764_460_800_200 + i as i64,
     }
 }
+
+/// `streamrl query SQL --format csv` run in `dir`: the answer's rows as CSV lines (header
+/// dropped); a failing query fails the test with its error.
+pub fn query(dir: &Path, sql: &str) -> Vec<String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_streamrl"))
+        .args(["query", sql, "--format", "csv"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{sql}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .skip(1)
+        .map(str::to_string)
+        .collect()
+}
