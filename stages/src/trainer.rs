@@ -56,6 +56,11 @@ pub struct TrainerConfig {
     pub keep_last: usize,
     /// ...plus every version divisible by this (0: none).
     pub keep_every: u64,
+    /// A version that drops out of the newest `keep_last` is deleted only once the version
+    /// after it has existed this long, so a replica still downloading or loading it is not
+    /// cut off (at most `4 × keep_last` versions are kept for this; at the last version of
+    /// the run, only `keep_last`). 0: delete at once.
+    pub retain_secs: f64,
     /// Train a step with the groups it has once groups of later steps have waited this
     /// long for a missing one (a lost prompt must not stall training).
     pub step_timeout_secs: u64,
@@ -91,6 +96,7 @@ impl Default for TrainerConfig {
             max_steps: None,
             keep_last: 3,
             keep_every: 0,
+            retain_secs: 10.0,
             step_timeout_secs: 300,
             train: TrainConfig::default(),
             eval_every: 0,
@@ -121,6 +127,9 @@ impl TrainerConfig {
         }
         if self.keep_last == 0 {
             p.push("keep_last must be at least 1 (rollout replicas load the newest)".into());
+        }
+        if !(self.retain_secs.is_finite() && self.retain_secs >= 0.0) {
+            p.push(format!("retain_secs {} must be a number ≥ 0", self.retain_secs));
         }
         match (&self.serve_checkpoints, &self.checkpoint_url) {
             (None, Some(u)) => p.push(format!(
@@ -187,6 +196,35 @@ pub struct TrainerStage {
     ckpt_server: Option<crate::weights::CheckpointServer>,
     /// Base URL of the published checkpoints (`None`: `file://` paths).
     ckpt_base: Option<String>,
+}
+
+/// Which of the stored `versions` (version, when written; ascending) to keep: the newest
+/// `keep_last`, every multiple of `keep_every`, and, up to `4 × keep_last` in all, those
+/// whose successor was written less than `grace_secs` before `now` (a reader may still be
+/// fetching them).
+fn retained(
+    versions: &[(u64, std::time::SystemTime)],
+    keep_last: usize,
+    keep_every: u64,
+    grace_secs: f64,
+    now: std::time::SystemTime,
+) -> Vec<u64> {
+    let n = versions.len();
+    let mut keep = Vec::new();
+    for (i, (v, _)) in versions.iter().enumerate() {
+        let newest = i + keep_last >= n;
+        let milestone = keep_every > 0 && v.is_multiple_of(keep_every);
+        let recent = i + 4 * keep_last >= n
+            && versions.get(i + 1).is_some_and(|(_, next)| {
+                now.duration_since(*next)
+                    .map(|age| age.as_secs_f64() < grace_secs)
+                    .unwrap_or(true)
+            });
+        if newest || milestone || recent {
+            keep.push(*v);
+        }
+    }
+    keep
 }
 
 /// The URI `policy` carries for `version` stored in `dir`.
@@ -656,7 +694,7 @@ impl TrainerStage {
         let Ok(entries) = std::fs::read_dir(&self.store) else {
             return;
         };
-        let mut versions: Vec<(u64, PathBuf)> = entries
+        let mut versions: Vec<(u64, PathBuf, std::time::SystemTime)> = entries
             .filter_map(|e| e.ok())
             .filter_map(|e| {
                 let v = e
@@ -665,15 +703,23 @@ impl TrainerStage {
                     .strip_prefix("step-")?
                     .parse::<u64>()
                     .ok()?;
-                Some((v, e.path()))
+                let written = e.metadata().and_then(|m| m.modified()).ok()?;
+                Some((v, e.path(), written))
             })
             .collect();
-        versions.sort();
-        let n = versions.len();
-        for (i, (v, path)) in versions.into_iter().enumerate() {
-            let keep =
-                i + self.cfg.keep_last >= n || (self.cfg.keep_every > 0 && v.is_multiple_of(self.cfg.keep_every));
-            if !keep {
+        versions.sort_by_key(|v| v.0);
+        // The run's last version: nobody will load an older one any more.
+        let grace = if self.done() { 0.0 } else { self.cfg.retain_secs };
+        let written: Vec<(u64, std::time::SystemTime)> = versions.iter().map(|(v, _, t)| (*v, *t)).collect();
+        let keep = retained(
+            &written,
+            self.cfg.keep_last,
+            self.cfg.keep_every,
+            grace,
+            std::time::SystemTime::now(),
+        );
+        for (v, path, _) in versions {
+            if !keep.contains(&v) {
                 let _ = std::fs::remove_dir_all(&path);
             }
         }
@@ -823,5 +869,23 @@ mod tests {
             policy_uri(Some("http://t:1/"), 7, Path::new("/x")),
             "http://t:1/checkpoints/7"
         );
+    }
+
+    #[test]
+    fn superseded_checkpoints_stay_while_readers_may_still_fetch_them() {
+        use std::time::{Duration, SystemTime};
+        let now = SystemTime::now();
+        // Versions 1..=10, version v written (10 - v) seconds ago.
+        let versions: Vec<(u64, SystemTime)> = (1..=10).map(|v| (v, now - Duration::from_secs(10 - v))).collect();
+        // No grace: the newest 2, plus the multiples of 4.
+        assert_eq!(retained(&versions, 2, 4, 0.0, now), [4, 8, 9, 10]);
+        // A 3.5 s grace: 6 and 7 were replaced less than 3.5 s ago (by 7 and 8).
+        assert_eq!(retained(&versions, 2, 0, 3.5, now), [6, 7, 8, 9, 10]);
+        // Bounded: never more than 4 × keep_last, however long the grace.
+        assert_eq!(retained(&versions, 2, 0, 1e9, now), [3, 4, 5, 6, 7, 8, 9, 10]);
+        assert_eq!(retained(&versions, 1, 0, 1e9, now), [7, 8, 9, 10]);
+        // A clock that went backwards counts as recent.
+        let future: Vec<(u64, SystemTime)> = vec![(1, now), (2, now + Duration::from_secs(5)), (3, now)];
+        assert_eq!(retained(&future, 1, 0, 1.0, now), [1, 2, 3]);
     }
 }
