@@ -148,6 +148,13 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
+    /// Whether `token` ends a sequence under these parameters: one of `stop_token_ids`, or
+    /// the tokenizer's end-of-sequence `eos` unless `ignore_eos`. Such a final token stays
+    /// in [`Output::tokens`] but is not part of [`Output::text`].
+    pub fn ends_at(&self, token: u32, eos: Option<u32>) -> bool {
+        self.stop_token_ids.contains(&token) || (!self.ignore_eos && Some(token) == eos)
+    }
+
     /// Every invalid value.
     pub fn problems(&self) -> Vec<String> {
         let mut p = Vec::new();
@@ -797,7 +804,7 @@ impl Engine {
                 top,
                 version: self.version,
             });
-            let finish = if s.params.stop_token_ids.contains(&token) || (!s.params.ignore_eos && Some(token) == eos) {
+            let finish = if s.params.ends_at(token, eos) {
                 Some(FinishReason::Stop)
             } else if let Some(r) = self.stop_string(&mut s)? {
                 Some(r)
@@ -852,9 +859,7 @@ impl Engine {
         // A final end-of-sequence or stop token ends the text; it is not part of it.
         let eos = self.tokenizer.as_ref().and_then(|t| t.eos);
         let shown = match s.tokens.last() {
-            Some(&t) if reason == FinishReason::Stop && (Some(t) == eos || s.params.stop_token_ids.contains(&t)) => {
-                &s.tokens[..s.tokens.len() - 1]
-            }
+            Some(&t) if reason == FinishReason::Stop && s.params.ends_at(t, eos) => &s.tokens[..s.tokens.len() - 1],
             _ => &s.tokens[..],
         };
         let mut text = self

@@ -461,27 +461,9 @@ async fn load_weights(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
         version: Option<u32>,
         sha256: Option<String>,
     }
-    let v: Value = match serde_json::from_slice(&body) {
-        Ok(v @ Value::Object(_)) => v,
-        Ok(_) => return error(StatusCode::BAD_REQUEST, "the body must be a JSON object", None),
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!("the body is not valid JSON: {e}"),
-                None,
-            );
-        }
-    };
-    let load: Load = match serde_path_to_error::deserialize(v) {
+    let load: Load = match wire::parse(&body) {
         Ok(l) => l,
-        Err(e) => {
-            let param = e.path().to_string();
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!("`{param}`: {}", e.into_inner()),
-                Some(&param),
-            );
-        }
+        Err(p) => return refuse(vec![p]),
     };
     let Some(path) = load.path else {
         return error(
@@ -575,6 +557,8 @@ struct Render<'a> {
     eos: Option<u32>,
     chat: bool,
     c: &'a Checked,
+    /// The choices' sampling parameters (which tokens end a choice).
+    params: SamplingParams,
 }
 
 impl Render<'_> {
@@ -589,7 +573,7 @@ impl Render<'_> {
 
     /// Whether `t` ends a choice without being part of its text.
     fn is_stop_token(&self, t: u32) -> bool {
-        (!self.c.ignore_eos && Some(t) == self.eos) || self.c.stop_token_ids.contains(&t)
+        self.params.ends_at(t, self.eos)
     }
 
     /// How many of `o`'s tokens its logprobs show: all but a final stop token (which the
@@ -721,6 +705,7 @@ async fn run(s: Arc<AppState>, p: Parsed, chat: bool) -> Response {
                 eos: st.tokenizer.eos,
                 chat,
                 c: &c,
+                params: sampling(&c, 0),
             };
             let chunk = |index: usize, delta: &str, logprobs: Value, finish: Option<&str>, first: bool| -> String {
                 let choice = if chat {
@@ -852,6 +837,7 @@ async fn run(s: Arc<AppState>, p: Parsed, chat: bool) -> Response {
         eos: s.tokenizer.eos,
         chat,
         c: &c,
+        params: sampling(&c, 0),
     };
     let choices: Vec<Value> = outputs
         .iter()

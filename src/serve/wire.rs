@@ -197,8 +197,9 @@ pub enum Stop {
     Many(Vec<String>),
 }
 
-/// Parses a request body; a problem names the field that has the wrong type.
-pub fn parse(body: &[u8]) -> Result<Request, Problem> {
+/// Parses a request body (a JSON object) as `T`; a problem names the field that has the
+/// wrong type.
+pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Problem> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| Problem::new("", format!("the body is not valid JSON: {e}")))?;
     if !v.is_object() {
@@ -511,11 +512,11 @@ mod tests {
     use super::*;
 
     fn err(body: &str) -> Problem {
-        parse(body.as_bytes()).unwrap_err()
+        parse::<Request>(body.as_bytes()).unwrap_err()
     }
 
     fn check(body: &str, chat: bool) -> Result<Checked, Vec<Problem>> {
-        parse(body.as_bytes()).unwrap().check(chat, 5, 128, 16)
+        parse::<Request>(body.as_bytes()).unwrap().check(chat, 5, 128, 16)
     }
 
     #[test]
@@ -597,7 +598,7 @@ mod tests {
         let c = check(r#"{"echo": true, "max_tokens": 0, "logprobs": 0}"#, false).unwrap();
         assert_eq!((c.echo, c.max_tokens, c.logprobs), (true, 0, Some(0)));
         let vocab = |r: &str| {
-            parse(r.as_bytes())
+            parse::<Request>(r.as_bytes())
                 .unwrap()
                 .prompt_ids(64, |s| Ok(vec![s.len() as u32]))
         };

@@ -27,8 +27,6 @@ pub struct RemoteEngine {
     client: reqwest::Client,
     base: String,
     model: Option<String>,
-    /// Sent as `Authorization: Bearer <key>` on every request.
-    api_key: Option<String>,
     tasks: JoinSet<(u64, Result<Output, String>)>,
     /// The policy version the server serves, as far as this stage knows.
     version: u32,
@@ -131,12 +129,9 @@ fn parse_choice(
 
 /// POSTs a JSON body; the answer's bytes on a 2xx, else an error naming the URL, the
 /// status and the server's answer.
-async fn post_json(client: &reqwest::Client, url: &str, key: Option<&str>, body: &Value) -> Result<Vec<u8>, String> {
-    let mut req = client.post(url);
-    if let Some(k) = key {
-        req = req.header("authorization", format!("Bearer {k}"));
-    }
-    let resp = req
+async fn post_json(client: &reqwest::Client, url: &str, body: &Value) -> Result<Vec<u8>, String> {
+    let resp = client
+        .post(url)
         .header("content-type", "application/json")
         .body(body.to_string())
         .send()
@@ -155,7 +150,16 @@ impl RemoteEngine {
     /// `api_key` as a bearer token.
     pub fn new(url: &str, model: Option<String>, api_key: Option<String>) -> Result<Self, String> {
         let base = base_url(url)?;
+        // The key goes on every request the client sends (marked sensitive: never logged).
+        let mut headers = reqwest::header::HeaderMap::new();
+        if let Some(k) = api_key {
+            let mut v = reqwest::header::HeaderValue::from_str(&format!("Bearer {k}"))
+                .map_err(|_| "the API key holds characters an HTTP header cannot carry".to_string())?;
+            v.set_sensitive(true);
+            headers.insert(reqwest::header::AUTHORIZATION, v);
+        }
         let client = reqwest::Client::builder()
+            .default_headers(headers)
             .timeout(Duration::from_secs(600))
             .build()
             .map_err(|e| format!("HTTP client: {e}"))?;
@@ -163,7 +167,6 @@ impl RemoteEngine {
             client,
             base,
             model,
-            api_key,
             tasks: JoinSet::new(),
             version: 0,
         })
@@ -209,17 +212,13 @@ impl RemoteEngine {
         if params.ignore_eos {
             body["ignore_eos"] = json!(true);
         }
-        let (client, url, key) = (
-            self.client.clone(),
-            format!("{}/v1/completions", self.base),
-            self.api_key.clone(),
-        );
+        let (client, url) = (self.client.clone(), format!("{}/v1/completions", self.base));
         let (stop, tool_stops, version) = (params.stop.clone(), params.tool_call_stop.clone(), self.version);
         let prompt_len = prompt.len();
         self.tasks.spawn(async move {
             let started = now_ms();
             let r = async {
-                let bytes = post_json(&client, &url, key.as_deref(), &body).await?;
+                let bytes = post_json(&client, &url, &body).await?;
                 let v: Value =
                     serde_json::from_slice(&bytes).map_err(|e| format!("POST {url}: the answer is not JSON: {e}"))?;
                 let c = v
@@ -251,7 +250,7 @@ impl RemoteEngine {
     pub async fn load_weights(&mut self, location: &str, version: u32, sha256: &str) -> Result<(), String> {
         let url = format!("{}/v1/load_weights", self.base);
         let body = json!({"path": location, "version": version, "sha256": sha256});
-        post_json(&self.client, &url, self.api_key.as_deref(), &body).await?;
+        post_json(&self.client, &url, &body).await?;
         self.version = version;
         Ok(())
     }
