@@ -39,8 +39,27 @@ use streamrl_runtime::topology::Topology;
     about = "Asynchronous RL post-training for language models, as stages over a message bus"
 )]
 struct Cli {
+    /// Set a value of the topology file for this command, `KEY.PATH=VALUE` (repeatable;
+    /// VALUE is YAML), e.g. `--set stages.trainer.config.max_steps=20`. The environment
+    /// variable holds one per line. `up` passes them on to every stage it starts.
+    #[arg(
+        long = "set",
+        global = true,
+        env = "STREAMRL_SET",
+        value_delimiter = '\n',
+        value_name = "KEY.PATH=VALUE"
+    )]
+    set: Vec<String>,
     #[command(subcommand)]
     command: Command,
+}
+
+/// The `--set` overrides of this invocation, applied to every topology it reads.
+static OVERRIDES: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+
+/// [`OVERRIDES`] (none before the command line is parsed).
+fn overrides() -> &'static [String] {
+    OVERRIDES.get().map(Vec::as_slice).unwrap_or_default()
 }
 
 #[derive(Subcommand)]
@@ -176,15 +195,25 @@ enum Command {
     },
 }
 
+/// Every problem of the topology file at `path`, as one error.
+fn problems(path: &std::path::Path, errs: Vec<String>) -> anyhow::Error {
+    let mut msg = format!("{} has {} problem(s):", path.display(), errs.len());
+    for e in &errs {
+        msg.push_str(&format!("\n  {e}"));
+    }
+    anyhow::anyhow!(msg)
+}
+
+/// The topology document at `path` with this invocation's `--set` overrides, unvalidated
+/// (for commands that read one section of it).
+fn read_document(path: &std::path::Path) -> Result<serde_yaml::Value> {
+    streamrl_runtime::topology::read_document(path, overrides())
+        .map_err(|errs| problems(path, errs.iter().map(ToString::to_string).collect()))
+}
+
 fn load(path: &std::path::Path) -> Result<Topology> {
-    let report = |errs: Vec<String>| {
-        let mut msg = format!("{} has {} problem(s):", path.display(), errs.len());
-        for e in &errs {
-            msg.push_str(&format!("\n  {e}"));
-        }
-        anyhow::anyhow!(msg)
-    };
-    let t = Topology::load(path, &stages::check_config)
+    let report = |errs: Vec<String>| problems(path, errs);
+    let t = Topology::load_with(path, overrides(), &stages::check_config)
         .map_err(|errs| report(errs.iter().map(ToString::to_string).collect()))?;
     let env_errs = stages::check_envs(&t);
     if !env_errs.is_empty() {
@@ -207,6 +236,7 @@ fn main() -> std::process::ExitCode {
     // to ship). First, before any thread exists.
     streamrl_sandbox::init::run_if_invoked();
     let cli = Cli::parse();
+    OVERRIDES.set(cli.set.clone()).expect("set once");
     // Training reuses its freed activation buffers instead of faulting them in again.
     streamrl_kernels::alloc::retain_freed_memory();
     if matches!(cli.command, Command::Run { .. }) {

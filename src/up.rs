@@ -134,6 +134,8 @@ pub async fn up(t: &Topology, topology: &Path, bus_url: &str) -> Result<()> {
             .arg(bus_url)
             .arg("--topology")
             .arg(topology)
+            // The same topology as this process's: its `--set` overrides too.
+            .env("STREAMRL_SET", crate::overrides().join("\n"))
             .stdin(Stdio::null())
             .stdout(file)
             .stderr(err)

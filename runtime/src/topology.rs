@@ -287,18 +287,108 @@ const TOP_KEYS: [&str; 8] = [
     "stages",
 ];
 
+/// Parses YAML text into a document (not yet validated).
+fn document(yaml: &str) -> Result<Value, Vec<TopologyError>> {
+    serde_yaml::from_str(yaml).map_err(|e| {
+        vec![TopologyError {
+            path: "(document)".into(),
+            message: format!("not valid YAML: {e}"),
+        }]
+    })
+}
+
+/// Reads a topology file and applies `overrides` to it ([`apply_overrides`]): the
+/// document every command sees, before validation. `streamrl sft` reads its `sft:`
+/// section from it too.
+pub fn read_document(path: &std::path::Path, overrides: &[String]) -> Result<Value, Vec<TopologyError>> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        vec![TopologyError {
+            path: path.display().to_string(),
+            message: format!("cannot read: {e}"),
+        }]
+    })?;
+    let mut root = document(&text)?;
+    apply_overrides(&mut root, overrides)?;
+    Ok(root)
+}
+
+/// Sets values in a topology document from `KEY.PATH=VALUE` strings (`--set`, or the
+/// `STREAMRL_SET` environment variable, one per line), as a deployment changes a few
+/// fields of the same file (compose.yaml serves weights over HTTP this way):
+/// `stages.trainer.config.lr.lr=3e-4`, `stages.rollout.replicas=4`,
+/// `stages.rollout.config.stop=["\n"]`. `VALUE` is read as YAML (a number, a bool, a list, a
+/// string); mappings along the path are created when missing. Blank lines are skipped.
+/// Every malformed override is reported, each with its path.
+///
+/// ```
+/// let mut doc: serde_yaml::Value = serde_yaml::from_str("stages: { trainer: { kind: trainer } }").unwrap();
+/// streamrl_runtime::topology::apply_overrides(&mut doc, &["stages.trainer.config.max_steps=20".into()]).unwrap();
+/// assert_eq!(doc["stages"]["trainer"]["config"]["max_steps"].as_u64(), Some(20));
+/// ```
+pub fn apply_overrides(root: &mut Value, overrides: &[String]) -> Result<(), Vec<TopologyError>> {
+    let mut errs = Vec::new();
+    for o in overrides.iter().map(|o| o.trim()).filter(|o| !o.is_empty()) {
+        let fail = |message: String| TopologyError {
+            path: format!("--set {o}"),
+            message,
+        };
+        let Some((path, value)) = o.split_once('=') else {
+            errs.push(fail("expected KEY.PATH=VALUE".into()));
+            continue;
+        };
+        let keys: Vec<&str> = path.trim().split('.').collect();
+        if keys.iter().any(|k| k.is_empty()) {
+            errs.push(fail(format!("`{}` is not a dotted key path", path.trim())));
+            continue;
+        }
+        let value: Value = match serde_yaml::from_str(value.trim()) {
+            Ok(v) => v,
+            Err(e) => {
+                errs.push(fail(format!("the value is not valid YAML: {e}")));
+                continue;
+            }
+        };
+        if let Err(m) = set_path(root, &keys, 0, value) {
+            errs.push(fail(m));
+        }
+    }
+    if errs.is_empty() { Ok(()) } else { Err(errs) }
+}
+
+/// Sets `keys[depth..]` below `at` (the value at `keys[..depth]`) to `value`, creating
+/// mappings where a key is missing or null.
+fn set_path(at: &mut Value, keys: &[&str], depth: usize, value: Value) -> Result<(), String> {
+    if at.is_null() {
+        *at = Value::Mapping(Default::default());
+    }
+    let Some(m) = at.as_mapping_mut() else {
+        let walked = if depth == 0 {
+            "(document)".into()
+        } else {
+            keys[..depth].join(".")
+        };
+        return Err(format!("`{walked}` is not a mapping"));
+    };
+    let key = Value::String(keys[depth].to_string());
+    if depth + 1 == keys.len() {
+        m.insert(key, value);
+        return Ok(());
+    }
+    set_path(m.entry(key).or_insert(Value::Null), keys, depth + 1, value)
+}
+
 impl Topology {
     /// Parses and validates YAML, collecting every problem.
     pub fn parse(yaml: &str, check_config: ConfigCheck<'_>) -> Result<Topology, Vec<TopologyError>> {
+        Self::from_document(document(yaml)?, check_config)
+    }
+
+    /// Validates a parsed document (e.g. [`read_document`]'s, overrides applied),
+    /// collecting every problem.
+    pub fn from_document(root: Value, check_config: ConfigCheck<'_>) -> Result<Topology, Vec<TopologyError>> {
         let mut errs = Vec::new();
         let err =
             |errs: &mut Vec<TopologyError>, path: String, message: String| errs.push(TopologyError { path, message });
-        let root: Value = serde_yaml::from_str(yaml).map_err(|e| {
-            vec![TopologyError {
-                path: "(document)".into(),
-                message: format!("not valid YAML: {e}"),
-            }]
-        })?;
         let Some(root) = root.as_mapping() else {
             return Err(vec![TopologyError {
                 path: "(document)".into(),
@@ -544,13 +634,16 @@ impl Topology {
 
     /// Reads and validates a file.
     pub fn load(path: &std::path::Path, check_config: ConfigCheck<'_>) -> Result<Topology, Vec<TopologyError>> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            vec![TopologyError {
-                path: path.display().to_string(),
-                message: format!("cannot read: {e}"),
-            }]
-        })?;
-        Self::parse(&text, check_config)
+        Self::load_with(path, &[], check_config)
+    }
+
+    /// Reads a file, applies `overrides` ([`apply_overrides`]) and validates the result.
+    pub fn load_with(
+        path: &std::path::Path,
+        overrides: &[String],
+        check_config: ConfigCheck<'_>,
+    ) -> Result<Topology, Vec<TopologyError>> {
+        Self::from_document(read_document(path, overrides)?, check_config)
     }
 
     /// Legal but suspicious wiring: a topic a stage consumes that no stage emits to (fine
@@ -782,6 +875,56 @@ stages:
             assert_eq!(cfg.control.as_deref(), Some("policy"), "{name}");
             assert_eq!(cfg.drain_on_end.is_some(), name == "archive", "{name}");
         }
+    }
+
+    #[test]
+    fn overrides_set_nested_values_create_mappings_and_report_every_mistake() {
+        let mut doc = document(GOOD).unwrap();
+        apply_overrides(
+            &mut doc,
+            &[
+                "stages.rollout.replicas=1".into(),
+                "  stages.sandbox.config.pool.size = 4 ".into(),
+                "".into(),
+                "stages.source.config.stop=[\"\\n\", x]".into(),
+                "bus=kafka://b:9092".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(doc["stages"]["rollout"]["replicas"].as_u64(), Some(1));
+        assert_eq!(doc["stages"]["sandbox"]["config"]["pool"]["size"].as_u64(), Some(4));
+        assert_eq!(doc["stages"]["source"]["config"]["stop"][0].as_str(), Some("\n"));
+        let t = Topology::from_document(doc, &none).unwrap();
+        assert_eq!((t.stages["rollout"].replicas, t.bus.as_str()), (1, "kafka://b:9092"));
+
+        let mut doc = document(GOOD).unwrap();
+        let errs = apply_overrides(
+            &mut doc,
+            &[
+                "stages.rollout.kind".into(),
+                "stages..replicas=2".into(),
+                "bus.url=x".into(),
+                "stages.rollout.replicas=[1".into(),
+            ],
+        )
+        .unwrap_err();
+        let msgs: Vec<String> = errs.iter().map(ToString::to_string).collect();
+        assert_eq!(msgs.len(), 4, "{msgs:?}");
+        assert!(
+            msgs[0].starts_with("--set stages.rollout.kind: expected KEY.PATH=VALUE"),
+            "{msgs:?}"
+        );
+        assert!(
+            msgs[1].contains("`stages..replicas` is not a dotted key path"),
+            "{msgs:?}"
+        );
+        assert!(msgs[2].contains("`bus` is not a mapping"), "{msgs:?}");
+        assert!(msgs[3].contains("the value is not valid YAML"), "{msgs:?}");
+        assert_eq!(
+            doc["stages"]["rollout"]["replicas"].as_u64(),
+            Some(2),
+            "a failed override changes nothing"
+        );
     }
 
     #[test]

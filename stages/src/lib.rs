@@ -122,6 +122,11 @@ impl Ctx {
         format!("{}-{}", self.stage, self.replica)
     }
 
+    /// Where this replica keeps the checkpoints it downloads: `<run_dir>/weights/<instance>`.
+    pub fn weights_cache(&self) -> PathBuf {
+        self.run_dir.join("weights").join(self.instance())
+    }
+
     /// The output topic carrying `schema`, if the stage has one.
     pub fn output(&self, schema: SchemaId) -> Option<String> {
         self.outputs.iter().find(|(_, s)| *s == schema).map(|(n, _)| n.clone())

@@ -200,6 +200,9 @@ impl RolloutStage {
         if !errs.is_empty() {
             return Err(errs);
         }
+        let mut cfg = cfg;
+        cfg.checkpoint = crate::weights::initial(&cfg.checkpoint, &ctx.weights_cache(), crate::weights::INITIAL_WAIT)
+            .map_err(|e| vec![format!("checkpoint: {e}")])?;
         let (backend, tokenizer) = if cfg.engine == "local" {
             let loaded =
                 checkpoint::load(&cfg.checkpoint, &Device::Cpu).map_err(|e| vec![format!("checkpoint: {e}")])?;
@@ -599,7 +602,7 @@ impl RolloutStage {
         let sync = self.cfg.sync_weights;
         // An http:// version is downloaded into this replica's cache first (a remote
         // engine is sent the URL and fetches it itself).
-        let cache = self.ctx.run_dir.join("weights").join(self.ctx.instance());
+        let cache = self.ctx.weights_cache();
         let r = match &mut self.backend {
             Backend::Local(engine) => match crate::weights::fetch(&self.http, &p.uri, &cache).await {
                 Ok(dir) => compute(|| engine.load_weights(&dir, p.version, Some(&p.sha256))).map_err(|e| e.to_string()),

@@ -290,6 +290,13 @@ impl SourceStage {
                 ctx.stage
             ));
         }
+        let mut cfg = cfg;
+        if errs.is_empty() {
+            match crate::weights::initial(&cfg.checkpoint, &ctx.weights_cache(), crate::weights::INITIAL_WAIT) {
+                Ok(dir) => cfg.checkpoint = dir,
+                Err(e) => errs.push(format!("checkpoint: {e}")),
+            }
+        }
         let tok_path = cfg.checkpoint.join("tokenizer.json");
         let tokenizer = Tokenizer::from_file(&tok_path);
         if let Err(e) = &tokenizer

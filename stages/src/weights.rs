@@ -23,6 +23,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
@@ -320,6 +321,47 @@ pub async fn fetch(client: &reqwest::Client, uri: &str, cache: &Path) -> Result<
     }
     prune(cache, &dir);
     Ok(dir)
+}
+
+/// How long [`initial`] waits for a checkpoint server that does not answer yet.
+pub const INITIAL_WAIT: Duration = Duration::from_secs(300);
+
+/// The local directory of a stage's initial checkpoint (`checkpoint:` in its config): a
+/// path as it is; an `http://…/checkpoints/<version>` URI (a trainer's
+/// [`CheckpointServer`], e.g. `http://trainer:8400/checkpoints/0` under compose) fetched
+/// into `cache` as [`fetch`] does. The trainer may still be starting when the stage is built
+/// (every service of a `docker compose up` starts together), so a failed fetch is retried
+/// every second for up to `wait`, each failure logged, and the last one is returned.
+/// Blocking: it runs on a thread of its own, inside a tokio runtime or not.
+pub fn initial(checkpoint: &Path, cache: &Path, wait: Duration) -> Result<PathBuf, String> {
+    let uri = checkpoint.to_string_lossy().into_owned();
+    if !uri.starts_with("http://") && !uri.starts_with("https://") {
+        return Ok(checkpoint.to_path_buf());
+    }
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| format!("starting a runtime to fetch {uri}: {e}"))?;
+            rt.block_on(async {
+                let client = reqwest::Client::new();
+                let deadline = std::time::Instant::now() + wait;
+                loop {
+                    match fetch(&client, &uri, cache).await {
+                        Ok(dir) => return Ok(dir),
+                        Err(e) if std::time::Instant::now() < deadline => {
+                            tracing::info!(%uri, error = %e, "initial checkpoint not fetched yet; retrying in 1 s");
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                        }
+                        Err(e) => return Err(format!("{e} (still failing after {} s)", wait.as_secs())),
+                    }
+                }
+            })
+        })
+        .join()
+        .unwrap_or_else(|_| Err(format!("fetching {uri} panicked")))
+    })
 }
 
 /// Removes cached versions other than `keep` and the newest one before it.

@@ -234,6 +234,55 @@ pub async fn rebalance_join_and_leave(b: &dyn Backend) {
     bw.handle.await.unwrap();
 }
 
+/// A group reading two topics spreads each topic over its members: a second member gets
+/// partitions of both (a second rollout replica once took every `continuations`
+/// partition and no `prompts` one, so it generated nothing).
+pub async fn every_topic_spread_over_members(b: &dyn Backend) {
+    let bus = open(&b.url()).await;
+    let (first, second) = (unique("spread-a"), unique("spread-b"));
+    let group = unique("g");
+    for t in [&first, &second] {
+        bus.create_topic(&TopicSpec::new(t, 4)).await.unwrap();
+    }
+    let topics = [first.clone(), second.clone()];
+    // Sequence numbers tell the topics apart: `first` below 1e6, `second` above.
+    const SECOND: u64 = 1_000_000;
+    let both = |w: &Worker| {
+        let s = w.seen.lock().unwrap();
+        s.iter().any(|&n| n < SECOND) && s.iter().any(|&n| n >= SECOND)
+    };
+    let mut next = 0;
+    let batch = |next: u64, base: u64| -> Vec<Record> {
+        (next..next + 16)
+            .map(|i| seq_record(&format!("k{}", i % 16), base + i))
+            .collect()
+    };
+    // A alone owns everything first; then B joins (and a rebalance moves partitions).
+    let a = worker(bus.subscribe(&group, &topics).await.unwrap());
+    produce(&bus, &first, batch(next, 0)).await;
+    produce(&bus, &second, batch(next, SECOND)).await;
+    next += 16;
+    until(b.patience(), "A to read both topics", || both(&a)).await;
+    let bw = worker(bus.subscribe(&group, &topics).await.unwrap());
+    let deadline = tokio::time::Instant::now() + b.patience() * 3;
+    while !(both(&a) && both(&bw)) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "each member should read both topics: A read {:?}, B read {:?} (sequence numbers of `{second}` start at {SECOND})",
+            a.seen.lock().unwrap().iter().take(8).collect::<Vec<_>>(),
+            bw.seen.lock().unwrap().iter().take(8).collect::<Vec<_>>()
+        );
+        produce(&bus, &first, batch(next, 0)).await;
+        produce(&bus, &second, batch(next, SECOND)).await;
+        next += 16;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for w in [a, bw] {
+        w.stop.trigger();
+        w.handle.await.unwrap();
+    }
+}
+
 /// A partition moves to another member and comes back: its unacknowledged records are
 /// delivered again, and acknowledging the deliveries from before the move must not
 /// commit past a redelivered record that has not been acknowledged (the archive once lost
@@ -721,7 +770,7 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!(@cases $backend;
             order_within_key, spread_over_partitions, rebalance_join_and_leave, redelivery_after_crash,
             resume_after_restart, backpressure, broadcast, large_messages_and_headers, dead_letter,
-            stale_ack_after_rebalance, newest_of_each_partition);
+            stale_ack_after_rebalance, newest_of_each_partition, every_topic_spread_over_members);
     };
     (@cases $backend:expr; $($case:ident),*) => {
         $(

@@ -8,6 +8,10 @@
 //!   unacknowledged offset; stored offsets are auto-committed every second, committed
 //!   synchronously when partitions are revoked, and on [`Consumer::close`].
 //! * Broadcast readers assign every partition manually from its newest record (no group).
+//! * A group reading several topics is one Kafka consumer group per topic,
+//!   `<group>.<topic>` ([`kafka_group`]), so each topic's partitions are spread over the
+//!   replicas on their own (one Kafka group over all of them balances only each member's
+//!   total); the consumers are merged into one [`Consumer`].
 //! * Cooperative rebalancing (`cooperative-sticky`): when a replica dies or joins, only
 //!   the partitions that move are revoked; the others keep consuming. Acknowledgement
 //!   trackers are per partition and per assignment epoch, so a kept partition keeps its
@@ -372,7 +376,7 @@ impl Bus for KafkaBus {
         let n = self.partition_count(topic).await?;
         let mut consumers = Vec::new();
         for g in groups {
-            consumers.push((g.clone(), self.base_consumer(Some(g))?));
+            consumers.push((g.clone(), self.base_consumer(Some(&kafka_group(g, topic)))?));
         }
         let probe = self.base_consumer(None)?;
         let topic = topic.to_string();
@@ -420,31 +424,48 @@ impl Bus for KafkaBus {
     }
 }
 
+/// The Kafka consumer group that holds the offsets of logical group `group` on `topic`:
+/// `<group>.<topic>`. A group reading several topics is one Kafka group per topic, each
+/// balanced over the members on its own. In one Kafka group, `cooperative-sticky` balances
+/// how many partitions each member owns in all, not per topic: a second rollout replica
+/// joining a group on `prompts` and `continuations` (4 partitions each) was handed all 4 of
+/// `continuations` and none of `prompts`, so it generated nothing.
+pub fn kafka_group(group: &str, topic: &str) -> String {
+    format!("{group}.{topic}")
+}
+
 impl KafkaBus {
-    /// A group member; with `member`, a static one (`group.instance.id`).
+    /// A group member reading `topics`; with `member`, a static one (`group.instance.id`).
+    /// One Kafka consumer per topic ([`kafka_group`]), merged into one [`Consumer`].
     async fn join(&self, group: &str, member: Option<&str>, topics: &[String]) -> Result<Box<dyn Consumer>> {
-        let shared = Arc::new(Mutex::new(Assignment::default()));
-        let ctx = RebalanceContext {
-            shared: shared.clone(),
-            name: member.unwrap_or(group).to_string(),
-        };
-        let mut cfg = self.consumer_config(group);
-        if let Some(m) = member.filter(|_| self.opts.static_membership) {
-            cfg.set("group.instance.id", m);
+        let mut parts = Vec::with_capacity(topics.len());
+        for topic in topics {
+            self.partition_count(topic).await?;
+            let shared = Arc::new(Mutex::new(Assignment::default()));
+            let ctx = RebalanceContext {
+                shared: shared.clone(),
+                name: format!("{}/{topic}", member.unwrap_or(group)),
+            };
+            let mut cfg = self.consumer_config(&kafka_group(group, topic));
+            if let Some(m) = member.filter(|_| self.opts.static_membership) {
+                cfg.set("group.instance.id", m);
+            }
+            let consumer: StreamConsumer<RebalanceContext> =
+                cfg.create_with_context(ctx).map_err(kerr("creating consumer"))?;
+            consumer.subscribe(&[topic.as_str()]).map_err(kerr("subscribing"))?;
+            let part = KafkaConsumer {
+                consumer,
+                shared,
+                acks: HashMap::new(),
+                broadcast: false,
+            };
+            parts.push((topic.clone(), part));
         }
-        let consumer: StreamConsumer<RebalanceContext> =
-            cfg.create_with_context(ctx).map_err(kerr("creating consumer"))?;
-        let names: Vec<&str> = topics.iter().map(String::as_str).collect();
-        for t in &names {
-            self.partition_count(t).await?;
-        }
-        consumer.subscribe(&names).map_err(kerr("subscribing"))?;
-        Ok(Box::new(KafkaConsumer {
-            consumer,
-            shared,
-            acks: HashMap::new(),
-            broadcast: false,
-        }))
+        Ok(if parts.len() == 1 {
+            Box::new(parts.pop().expect("one part").1)
+        } else {
+            Box::new(Merged { parts, next: 0 })
+        })
     }
 
     fn shallow(&self) -> Shallow {
@@ -625,6 +646,15 @@ struct Assignment {
     epochs: HashMap<(String, u32), u64>,
 }
 
+impl Assignment {
+    /// The partitions owned now, sorted, as `topic/partition` words (for logs).
+    fn owned_list(&self) -> String {
+        let mut owned: Vec<String> = self.owned.iter().map(|(t, p)| format!("{t}/{p}")).collect();
+        owned.sort();
+        owned.join(" ")
+    }
+}
+
 struct RebalanceContext {
     shared: Arc<Mutex<Assignment>>,
     /// Who this consumer is, for logs.
@@ -649,6 +679,7 @@ impl ConsumerContext for RebalanceContext {
                 a.owned.remove(&key);
                 a.epochs.insert(key, n);
             }
+            tracing::info!(consumer = %self.name, partitions = %a.owned_list(), "revoked");
         }
     }
 
@@ -662,9 +693,7 @@ impl ConsumerContext for RebalanceContext {
                 a.owned.insert(key.clone());
                 a.epochs.insert(key, n);
             }
-            let mut owned: Vec<String> = a.owned.iter().map(|(t, p)| format!("{t}/{p}")).collect();
-            owned.sort();
-            tracing::info!(consumer = %self.name, partitions = %owned.join(" "), "assigned");
+            tracing::info!(consumer = %self.name, partitions = %a.owned_list(), "assigned");
         }
     }
 }
@@ -686,6 +715,61 @@ impl KafkaConsumer {
             .get(&(topic.to_string(), partition))
             .copied()
             .unwrap_or(0)
+    }
+}
+
+/// One logical group member over several topics: a [`KafkaConsumer`] per topic, each in
+/// its topic's Kafka group ([`kafka_group`]). Receives from whichever has a message (taking
+/// turns, so a busy topic cannot starve a quiet one) and routes each acknowledgement to
+/// the consumer of its topic.
+struct Merged {
+    /// (topic, its consumer).
+    parts: Vec<(String, KafkaConsumer)>,
+    /// The part polled first on the next [`recv`](Consumer::recv).
+    next: usize,
+}
+
+#[async_trait]
+impl Consumer for Merged {
+    async fn recv(&mut self) -> Result<Message> {
+        let n = self.parts.len();
+        let start = self.next;
+        self.next = (start + 1) % n;
+        // Rotated so that the part after the last winner is polled first.
+        let (head, tail) = self.parts.split_at_mut(start);
+        let futs = tail.iter_mut().chain(head.iter_mut()).map(|(_, p)| p.recv());
+        let (m, _, _) = futures::future::select_all(futs).await;
+        m
+    }
+
+    fn ack(&mut self, id: &MessageId) -> Result<()> {
+        match self.parts.iter_mut().find(|(t, _)| *t == id.topic) {
+            Some((_, p)) => p.ack(id),
+            None => Ok(()),
+        }
+    }
+
+    async fn commit(&mut self) -> Result<()> {
+        for (_, p) in &mut self.parts {
+            p.commit().await?;
+        }
+        Ok(())
+    }
+
+    fn assignment(&self) -> Vec<(String, u32)> {
+        let mut v: Vec<_> = self.parts.iter().flat_map(|(_, p)| p.assignment()).collect();
+        v.sort();
+        v
+    }
+
+    async fn close(self: Box<Self>) -> Result<()> {
+        let mut first_err = None;
+        for (_, p) in self.parts {
+            if let Err(e) = Box::new(p).close().await {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
     }
 }
 
