@@ -84,6 +84,22 @@ pub enum Which {
         #[arg(long, default_value_t = 5)]
         versions: usize,
     },
+    /// Rollouts/s through the sandbox stage (the `code` environment's bottleneck) at 1, 2
+    /// and 4 replica processes on a Kafka broker, each rollout checked executed once.
+    Scale {
+        /// The Kafka broker (e.g. kafka://127.0.0.1:9092).
+        #[arg(long)]
+        bus: String,
+        /// Rollouts per round (groups of 4).
+        #[arg(long, default_value_t = 256)]
+        rollouts: usize,
+        /// Replica counts, one round each (comma-separated; the first is the baseline).
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        replicas: Vec<u32>,
+        /// Executions in flight per replica.
+        #[arg(long, default_value_t = 1)]
+        concurrency: usize,
+    },
     /// Memory bus rows/s (vs an mpsc channel) and, with --kafka, Kafka MB/s (vs raw rdkafka).
     Bus {
         /// Kafka URL for the Kafka half (e.g. kafka://127.0.0.1:9092); omitted: memory only.
@@ -118,6 +134,12 @@ pub async fn run(which: Which) -> Result<()> {
         } => crate::bench_sandbox::run(n, concurrency, pool_size, python, rounds.max(1)),
         Which::Generate { tokens } => crate::bench_generate::generate(tokens),
         Which::Weights { versions } => crate::bench_weights::run(versions.max(1)),
+        Which::Scale {
+            bus,
+            rollouts,
+            replicas,
+            concurrency,
+        } => crate::bench_scale::run(&bus, rollouts, &replicas, concurrency.max(1)).await,
         Which::Sql { run_dir, rounds, exe } => crate::bench_sql::run(&run_dir, rounds.max(1), exe),
         Which::Bus {
             kafka,

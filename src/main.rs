@@ -8,6 +8,7 @@ mod bench;
 mod bench_async;
 mod bench_generate;
 mod bench_sandbox;
+mod bench_scale;
 mod bench_sql;
 mod bench_train;
 mod bench_weights;

@@ -292,7 +292,7 @@ fn describe(status: std::process::ExitStatus) -> String {
     }
 }
 
-fn signal(pid: u32, sig: libc::c_int) {
+pub(crate) fn signal(pid: u32, sig: libc::c_int) {
     // SAFETY: kill(2) with a pid of a child this process started and has not reaped (so the
     // pid cannot have been reused); no memory is shared.
     #[allow(unsafe_code)]

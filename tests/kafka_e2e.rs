@@ -388,3 +388,51 @@ async fn stage_spans_are_exported_over_otlp() {
         .sum();
     assert!(bytes > 100, "span payloads are empty: {text}");
 }
+
+/// `streamrl bench scale` at a small size: sandbox stage processes at 1 and 2 replicas on
+/// the broker, every rollout executed exactly once and passing (the bench fails itself
+/// otherwise), the work spread over both replicas.
+#[test]
+fn bench_scale_executes_every_rollout_once_at_each_replica_count() {
+    let url = common::kafka_url();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_streamrl"))
+        .args(["bench", "scale", "--bus", &url, "--rollouts", "64", "--replicas", "1,2"])
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "bench scale failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("| 1 |") || l.starts_with("| 2 |"))
+        .collect();
+    assert_eq!(rows.len(), 2, "{text}");
+    for r in &rows {
+        assert!(r.contains("| yes (64 rows, 64 distinct) | 64 |"), "{r}");
+    }
+    // Both replicas of the second round executed some of the rollouts.
+    let two = rows[1];
+    let counts: Vec<u64> = two
+        .split("sandbox-")
+        .skip(1)
+        .map(|s| {
+            s.split(": ")
+                .nth(1)
+                .unwrap()
+                .split(' ')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(counts.len(), 2, "{two}");
+    assert!(
+        counts.iter().all(|&c| c > 0) && counts.iter().sum::<u64>() == 64,
+        "{two}"
+    );
+}
