@@ -353,3 +353,111 @@ impl Stage for Probe {
         self.0.restore(s)
     }
 }
+
+fn prompt(group: &str) -> streamrl_schemas::PromptRow {
+    streamrl_schemas::PromptRow {
+        run_id: "rt".into(),
+        problem_id: format!("p-{group}"),
+        group_id: group.into(),
+        env: "arith".into(),
+        step: 0,
+        group_size: 1,
+        prompt: "1+1=".into(),
+        prompt_token_ids: vec![1],
+        answer: None,
+        info: None,
+        temperature: 1.0,
+        max_tokens: 4,
+        created_at: 0,
+    }
+}
+
+/// Keeps every prompt it gets and emits them all at its next tick, with one group it was
+/// never given (as a source admits one).
+#[derive(Default)]
+struct EmitsOnTick {
+    kept: Vec<streamrl_schemas::PromptRow>,
+}
+
+#[async_trait]
+impl Stage for EmitsOnTick {
+    async fn process(&mut self, input: Input, _out: &mut Emitter) -> Result<(), StageError> {
+        self.kept.extend(
+            streamrl_schemas::PromptRow::from_batch(&input.batch).map_err(|e| StageError::internal(e.to_string()))?,
+        );
+        Ok(())
+    }
+    fn tick_interval(&self) -> Option<Duration> {
+        Some(Duration::from_millis(300))
+    }
+    async fn tick(&mut self, out: &mut Emitter) -> Result<(), StageError> {
+        if self.kept.len() == 3 {
+            self.kept.push(prompt("new"));
+            let rows = std::mem::take(&mut self.kept);
+            out.emit("out", streamrl_schemas::PromptRow::to_batch(&rows).unwrap());
+        }
+        Ok(())
+    }
+}
+
+/// Rows emitted later (from `tick` or held state) carry their own group's trace, not the
+/// trace of whichever message came last; a group first seen in an output starts its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_group_keeps_its_own_trace_whenever_its_rows_are_emitted() {
+    let bus = bus::connect(&common::unique("memory://traces")).await.unwrap();
+    for (t, p) in [("in", 1), ("out", 4), ("dlq", 1)] {
+        bus.create_topic(&TopicSpec::new(t, p)).await.unwrap();
+    }
+    let mut cfg = RunnerConfig::new("stage", "dlq");
+    cfg.inputs.push(TopicBinding {
+        name: "in".into(),
+        schema: SchemaId::Prompts,
+        key: None,
+    });
+    cfg.outputs.push(TopicBinding {
+        name: "out".into(),
+        schema: SchemaId::Prompts,
+        key: Some("group_id".into()),
+    });
+    let sd = Shutdown::new();
+    let task = tokio::spawn(run_stage(
+        bus.clone(),
+        cfg,
+        Box::new(EmitsOnTick::default()),
+        sd.clone(),
+        Arc::new(StageMetrics::default()),
+    ));
+    let mut out = bus.subscribe("check", &["out".into()]).await.unwrap();
+    let producer = bus.producer("t").await.unwrap();
+    let mut sent = std::collections::BTreeMap::new();
+    for g in ["a", "b", "c"] {
+        let tp = telemetry::new_traceparent();
+        let mut h = Headers::data(SchemaId::Prompts, "test");
+        h.traceparent = Some(tp.clone());
+        let batch = streamrl_schemas::PromptRow::to_batch(&[prompt(g)]).unwrap();
+        let rec = Record::new(codec::encode(&batch, Compression::Lz4).unwrap()).with_headers(h.to_wire());
+        producer.send("in", rec).await.unwrap().await.unwrap();
+        sent.insert(g.to_string(), telemetry::parse_traceparent(&tp).unwrap().0.to_string());
+    }
+    let mut got = std::collections::BTreeMap::new();
+    for _ in 0..4 {
+        let m = next(&mut out).await;
+        let key = String::from_utf8(m.key.clone().unwrap()).unwrap();
+        let h = Headers::from_wire(&m.headers).unwrap();
+        let trace = telemetry::parse_traceparent(h.traceparent.as_deref().unwrap())
+            .unwrap()
+            .0
+            .to_string();
+        got.insert(key, trace);
+    }
+    for g in ["a", "b", "c"] {
+        assert_eq!(got[g], sent[g], "group {g} keeps the trace of its own input");
+    }
+    assert!(
+        !sent.values().any(|t| *t == got["new"]),
+        "a group admitted here starts a trace of its own, got {}",
+        got["new"]
+    );
+    sd.trigger();
+    task.await.unwrap().unwrap();
+}

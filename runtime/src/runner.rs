@@ -8,7 +8,7 @@
 //! On shutdown the in-flight message is finished, the stage's `close` hook runs, offsets
 //! are committed and the consumer leaves its group.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -244,6 +244,7 @@ pub async fn run_stage(
         outputs: cfg.outputs.iter().map(|t| (t.name.clone(), t.clone())).collect(),
         policy_version: None,
         traceparent: None,
+        groups: GroupTraces::default(),
     };
     let mut out = Emitter::default();
     let state_file = cfg
@@ -502,6 +503,75 @@ struct Runner {
     outputs: HashMap<String, TopicBinding>,
     policy_version: Option<u32>,
     traceparent: Option<String>,
+    groups: GroupTraces,
+}
+
+/// Groups whose trace context a replica remembers at most (the oldest are forgotten).
+const TRACED_GROUPS: usize = 65_536;
+
+/// The trace context of each group (`group_id`) a replica has handled: the context of its
+/// processing span for the group's latest input. A group's outputs carry it whenever they
+/// are emitted — from `process`, from `tick`, or later from held state — so one trajectory
+/// is one trace through every stage, never parented to whatever message came last. A
+/// group first seen in an output (the source admitting it) starts a trace of its own.
+#[derive(Default)]
+struct GroupTraces {
+    by_group: HashMap<String, String>,
+    /// Insertion order, for forgetting the oldest.
+    order: VecDeque<String>,
+}
+
+impl GroupTraces {
+    /// The distinct `group_id`s of `batch` (none when it has no such column).
+    fn groups_of(batch: &RecordBatch) -> Vec<String> {
+        let Some(col) = batch.column_by_name(streamrl_schemas::fields::GROUP_ID) else {
+            return Vec::new();
+        };
+        let Some(col) = col.as_string_opt::<i32>() else {
+            return Vec::new();
+        };
+        let mut out: Vec<String> = Vec::new();
+        for g in col.iter().flatten() {
+            if !out.iter().any(|o| o == g) {
+                out.push(g.to_string());
+            }
+        }
+        out
+    }
+
+    fn insert(&mut self, group: String, traceparent: String) {
+        if self.by_group.insert(group.clone(), traceparent).is_none() {
+            self.order.push_back(group);
+            while self.by_group.len() > TRACED_GROUPS {
+                match self.order.pop_front() {
+                    Some(old) => {
+                        self.by_group.remove(&old);
+                    }
+                    None => break,
+                }
+            }
+        }
+    }
+
+    /// Records `traceparent` as the context of every group of an input batch.
+    fn remember(&mut self, batch: &RecordBatch, traceparent: &str) {
+        for g in Self::groups_of(batch) {
+            self.insert(g, traceparent.to_string());
+        }
+    }
+
+    /// The context for an output part of one group: the group's, or a new trace for a
+    /// group not seen before. `None` for rows of no group (metrics, policy) or of several
+    /// (the trainer's lineage of a step), which keep the context of the message in hand.
+    fn for_output(&mut self, part: &RecordBatch) -> Option<String> {
+        let [g] = <[String; 1]>::try_from(Self::groups_of(part)).ok()?;
+        if let Some(tp) = self.by_group.get(&g) {
+            return Some(tp.clone());
+        }
+        let tp = telemetry::new_traceparent();
+        self.insert(g, tp.clone());
+        Some(tp)
+    }
 }
 
 impl Runner {
@@ -599,6 +669,9 @@ impl Runner {
         self.metrics
             .in_rows
             .fetch_add(batch.num_rows() as u64, Ordering::Relaxed);
+        if let Some(tp) = &self.traceparent {
+            self.groups.remember(&batch, tp);
+        }
         let input = Input {
             topic: msg.topic.clone(),
             schema,
@@ -659,9 +732,13 @@ impl Runner {
                         })?
                     {
                         let payload = codec::encode(&part, self.cfg.compression)?;
+                        let mut headers = self.headers(binding.schema);
+                        if let Some(tp) = self.groups.for_output(&part) {
+                            headers.traceparent = Some(tp);
+                        }
                         let record = Record {
                             key,
-                            headers: self.headers(binding.schema).to_wire(),
+                            headers: headers.to_wire(),
                             payload,
                             partition: None,
                         };
