@@ -272,7 +272,12 @@ fn one_thread_per_op() {
 }
 
 async fn async_main(cli: Cli) -> std::process::ExitCode {
-    let _telemetry = match streamrl_runtime::telemetry::init("streamrl") {
+    // One service per stage process (`streamrl-reward`), so a trace shows which did what.
+    let service = match &cli.command {
+        Command::Stage { name, .. } => format!("streamrl-{name}"),
+        _ => "streamrl".to_string(),
+    };
+    let _telemetry = match streamrl_runtime::telemetry::init(&service) {
         Ok(g) => Some(g),
         Err(e) => {
             eprintln!("warning: {e}");

@@ -436,3 +436,222 @@ fn bench_scale_executes_every_rollout_once_at_each_replica_count() {
         "{two}"
     );
 }
+
+/// A span as an OTLP receiver got it.
+#[derive(Debug, Clone)]
+struct ExportedSpan {
+    service: String,
+    name: String,
+    trace_id: String,
+    span_id: String,
+    parent_span_id: String,
+    group_id: Option<String>,
+}
+
+/// An OTLP/HTTP receiver in this process on 127.0.0.1: answers every request 200 and
+/// decodes each `/v1/traces` body (protobuf `ExportTraceServiceRequest`) into spans.
+fn otlp_receiver() -> (u16, std::sync::Arc<std::sync::Mutex<Vec<ExportedSpan>>>) {
+    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+    use opentelemetry_proto::tonic::common::v1::any_value::Value;
+    use prost::Message as _;
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let spans = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let out = spans.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { continue };
+            let out = out.clone();
+            std::thread::spawn(move || {
+                let mut w = conn.try_clone().unwrap();
+                let mut r = BufReader::new(conn);
+                // Keep-alive: one request after another on the connection.
+                loop {
+                    let mut line = String::new();
+                    if r.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let path = line.split_whitespace().nth(1).unwrap_or("").to_string();
+                    let mut len = 0;
+                    loop {
+                        let mut h = String::new();
+                        if r.read_line(&mut h).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if h == "\r\n" {
+                            break;
+                        }
+                        if let Some((k, v)) = h.split_once(':')
+                            && k.eq_ignore_ascii_case("content-length")
+                        {
+                            len = v.trim().parse().unwrap();
+                        }
+                    }
+                    let mut body = vec![0; len];
+                    r.read_exact(&mut body).unwrap();
+                    if path == "/v1/traces" {
+                        let req = ExportTraceServiceRequest::decode(&body[..]).expect("an OTLP protobuf trace export");
+                        for rs in req.resource_spans {
+                            let service = rs
+                                .resource
+                                .iter()
+                                .flat_map(|r| &r.attributes)
+                                .find(|a| a.key == "service.name")
+                                .and_then(|a| match a.value.as_ref()?.value.as_ref()? {
+                                    Value::StringValue(s) => Some(s.clone()),
+                                    _ => None,
+                                })
+                                .unwrap_or_default();
+                            for s in rs.scope_spans.into_iter().flat_map(|ss| ss.spans) {
+                                let group_id =
+                                    s.attributes.iter().find(|a| a.key == "group_id").and_then(|a| {
+                                        match a.value.as_ref()?.value.as_ref()? {
+                                            Value::StringValue(v) => Some(v.clone()),
+                                            _ => None,
+                                        }
+                                    });
+                                let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+                                out.lock().unwrap().push(ExportedSpan {
+                                    service: service.clone(),
+                                    name: s.name.clone(),
+                                    trace_id: hex(&s.trace_id),
+                                    span_id: hex(&s.span_id),
+                                    parent_span_id: hex(&s.parent_span_id),
+                                    group_id,
+                                });
+                            }
+                        }
+                    }
+                    w.write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n",
+                    )
+                    .unwrap();
+                }
+            });
+        }
+    });
+    (port, spans)
+}
+
+/// One trajectory, one trace: a group's rollouts go through a sandbox stage process and a
+/// reward stage process, each exporting over OTLP; the receiver decodes the protobuf, and
+/// the group's `execute` span (in `streamrl-<sandbox>`) is a child of the producer's span,
+/// its `score` span (in `streamrl-<reward>`) a child of the `execute` span, all in the
+/// producer's trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_trajectory_is_one_trace_across_stage_processes() {
+    let url = common::kafka_url();
+    let (port, spans) = otlp_receiver();
+    let dir = tempfile::tempdir().unwrap();
+    let id = common::unique("tr").replace('-', "_");
+    let (rollouts, executed, scored) = (
+        format!("{id}_rollouts"),
+        format!("{id}_executed"),
+        format!("{id}_scored"),
+    );
+    let (sandbox, reward) = (format!("{id}_sandbox"), format!("{id}_reward"));
+    let topo = dir.path().join("topology.yaml");
+    std::fs::write(
+        &topo,
+        format!(
+            "bus: {url}\nrun_dir: {run}\ndead_letter: {id}_dlq\nenvs:\n  arith: {{ weight: 1 }}\ntopics:\n  \
+             {rollouts}: {{ schema: rollouts, partitions: 2, key: group_id }}\n  \
+             {executed}: {{ schema: executed, partitions: 2, key: group_id }}\n  \
+             {scored}: {{ schema: scored, partitions: 2, key: group_id }}\n  {id}_dlq: {{ schema: dead_letter }}\n\
+             stages:\n  {sandbox}: {{ kind: sandbox, inputs: [{rollouts}], outputs: [{executed}] }}\n  \
+             {reward}: {{ kind: reward, inputs: [{executed}], outputs: [{scored}] }}\n",
+            run = dir.path().join("run").display()
+        ),
+    )
+    .unwrap();
+    let bus = bus::connect(&url).await.unwrap();
+    let t = streamrl_runtime::topology::Topology::load(&topo, &|_, _| vec![]).unwrap();
+    streamrl_runtime::running::create_topics(&bus, &t).await.unwrap();
+    let spawn = |stage: &str| {
+        Command::new(env!("CARGO_BIN_EXE_streamrl"))
+            .args(["stage", stage, "--topology"])
+            .arg(&topo)
+            .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://127.0.0.1:{port}"))
+            .stderr(std::fs::File::create(dir.path().join(format!("{stage}.log"))).unwrap())
+            .spawn()
+            .unwrap()
+    };
+    let children = [spawn(&sandbox), spawn(&reward)];
+    let reapers: Vec<KillOnPanic> = children.iter().map(KillOnPanic::new).collect();
+    let mut reader = bus
+        .subscribe(&format!("{id}_reader"), std::slice::from_ref(&scored))
+        .await
+        .unwrap();
+
+    // The producer's span: a fresh trace for the group.
+    let tp = streamrl_runtime::telemetry::new_traceparent();
+    let (trace, root) = streamrl_runtime::telemetry::parse_traceparent(&tp).unwrap();
+    let (trace, root) = (trace.to_string(), root.to_string());
+    let rows: Vec<RolloutRow> = (1..4).map(rollout).collect();
+    assert!(rows.iter().all(|r| r.group_id == "g0"));
+    let mut h = Headers::data(SchemaId::Rollouts, "test");
+    h.traceparent = Some(tp.clone());
+    let rec = Record::new(codec::encode(&RolloutRow::to_batch(&rows).unwrap(), Compression::Zstd).unwrap())
+        .with_key("g0")
+        .with_headers(h.to_wire());
+    bus.producer("test")
+        .await
+        .unwrap()
+        .send(&rollouts, rec)
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let m = tokio::time::timeout(Duration::from_secs(180), reader.recv())
+        .await
+        .expect("the scored rows never arrived")
+        .unwrap();
+    let got = Headers::from_wire(&m.headers).unwrap().traceparent.unwrap();
+    assert_eq!(streamrl_runtime::telemetry::parse_traceparent(&got).unwrap().0, trace);
+
+    // SIGTERM: each exporter flushes at shutdown.
+    for (c, reaper) in children.into_iter().zip(reapers) {
+        assert!(
+            Command::new("kill")
+                .args(["-TERM", &c.id().to_string()])
+                .status()
+                .unwrap()
+                .success()
+        );
+        let mut c = c;
+        let status = tokio::task::spawn_blocking(move || c.wait().unwrap()).await.unwrap();
+        reaper.reaped();
+        assert!(status.success(), "stage exit {status:?}");
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let find = |service: &str, name: &str| {
+        spans
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|s| s.trace_id == trace && s.service == service && s.name == name)
+            .cloned()
+    };
+    let (execute, score) = loop {
+        if let (Some(e), Some(s)) = (
+            find(&format!("streamrl-{sandbox}"), "execute"),
+            find(&format!("streamrl-{reward}"), "score"),
+        ) {
+            break (e, s);
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no execute and score spans in trace {trace}; got {:#?}",
+            spans.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(
+        execute.parent_span_id, root,
+        "execute is a child of the producer's span"
+    );
+    assert_eq!(score.parent_span_id, execute.span_id, "score is a child of execute");
+    assert_eq!(execute.group_id.as_deref(), Some("g0"));
+    assert_eq!(score.group_id.as_deref(), Some("g0"));
+}

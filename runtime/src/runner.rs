@@ -75,6 +75,9 @@ pub struct RunnerConfig {
     /// before closing (the archive: what upstream stages emit while they finish still
     /// reaches Parquet). `None`: close at once.
     pub drain_on_end: Option<Duration>,
+    /// Name of the span each message is handled in (the stage kind's
+    /// [`span_name`](crate::topology::StageKind::span_name), `process` by default).
+    pub span_name: String,
 }
 
 impl RunnerConfig {
@@ -94,6 +97,7 @@ impl RunnerConfig {
             state_dir: None,
             control: None,
             drain_on_end: None,
+            span_name: "process".into(),
         }
     }
 
@@ -641,7 +645,13 @@ impl Runner {
         if let Some(v) = headers.policy_version {
             self.policy_version = Some(self.policy_version.map_or(v, |p| p.max(v)));
         }
-        let span = telemetry::consume_span(&self.instance, &msg.topic, headers.traceparent.as_deref());
+        let span = telemetry::consume_span(
+            &self.cfg.span_name,
+            &self.instance,
+            &msg.topic,
+            headers.traceparent.as_deref(),
+        );
+        span.record("policy_version", headers.policy_version.map(i64::from));
         self.traceparent = telemetry::traceparent_for(&span, headers.traceparent.as_deref());
         if headers.kind == MessageKind::Signal {
             self.metrics.signals.fetch_add(1, Ordering::Relaxed);
@@ -671,6 +681,11 @@ impl Runner {
             .fetch_add(batch.num_rows() as u64, Ordering::Relaxed);
         if let Some(tp) = &self.traceparent {
             self.groups.remember(&batch, tp);
+        }
+        span.record("rows", batch.num_rows() as i64);
+        let groups = GroupTraces::groups_of(&batch);
+        if !groups.is_empty() {
+            span.record("group_id", groups.join(",").as_str());
         }
         let input = Input {
             topic: msg.topic.clone(),

@@ -69,9 +69,19 @@ pub fn init(service: &str) -> Result<TelemetryGuard> {
     })
 }
 
-/// The span a stage processes one message in, parented to the producer's trace.
-pub fn consume_span(instance: &str, topic: &str, traceparent: Option<&str>) -> tracing::Span {
-    let span = tracing::info_span!("process", stage = %instance, topic = %topic);
+/// The span a stage processes one message in, parented to the producer's trace: exported
+/// as `name` (the stage kind's verb: `execute`, `score`, ...), with the instance, topic,
+/// and (recorded once known) the message's group ids, rows and policy version.
+pub fn consume_span(name: &str, instance: &str, topic: &str, traceparent: Option<&str>) -> tracing::Span {
+    let span = tracing::info_span!(
+        "process",
+        otel.name = %name,
+        stage = %instance,
+        topic = %topic,
+        group_id = tracing::field::Empty,
+        rows = tracing::field::Empty,
+        policy_version = tracing::field::Empty,
+    );
     if let Some(tp) = traceparent {
         let mut carrier = HashMap::new();
         carrier.insert("traceparent".to_string(), tp.to_string());

@@ -113,6 +113,21 @@ impl StageKind {
         }
     }
 
+    /// The name of the span a stage of this kind handles one message in (what it does to
+    /// a trajectory): `admit`, `generate`, `execute`, `score`, `mask`, `train-step`,
+    /// `archive`.
+    pub fn span_name(self) -> &'static str {
+        match self {
+            StageKind::Source => "admit",
+            StageKind::Rollout => "generate",
+            StageKind::Sandbox => "execute",
+            StageKind::Reward => "score",
+            StageKind::Mask => "mask",
+            StageKind::Trainer => "train-step",
+            StageKind::Archive => "archive",
+        }
+    }
+
     /// The kind's port signature.
     pub fn ports(self) -> Ports {
         use SchemaId as S;
@@ -756,6 +771,7 @@ impl Topology {
         cfg.broadcast = s.broadcast.iter().filter_map(bind).collect();
         cfg.outputs = s.outputs.iter().filter_map(bind).collect();
         cfg.state_dir = Some(self.run_dir.join("state"));
+        cfg.span_name = s.kind.span_name().to_string();
         cfg.control = self
             .topics
             .iter()
