@@ -149,19 +149,6 @@ fn compose_matches_the_topology() {
 // ---------------------------------------------------------------------------------------
 // `docker compose up` for real.
 
-/// Runs `cmd`; its stdout, or a panic naming `what` with both outputs.
-fn sh(cmd: &mut Command, what: &str) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// Whether a Docker daemon and docker-compose answer here, or why not.
 fn docker_ready() -> Result<(), String> {
     for (bin, arg) in [("docker", "info"), ("docker-compose", "version")] {
@@ -212,7 +199,7 @@ fn base_image() -> String {
     if !tar.exists() {
         eprintln!("compose: making a Debian {codename} root file system with debootstrap (once, ~2 min)");
         let t0 = Instant::now();
-        sh(
+        common::run(
             Command::new("flock")
                 .arg(tools.join(".rootfs.lock"))
                 .arg("sh")
@@ -235,7 +222,7 @@ fn base_image() -> String {
         );
         eprintln!("compose: root file system made in {:.0} s", t0.elapsed().as_secs_f64());
     }
-    sh(
+    common::run(
         Command::new("docker").arg("import").arg(&tar).arg(&tag),
         "docker import",
     );
@@ -251,7 +238,7 @@ fn layered_image(base: &str, tag: &str, files: &[(&Path, &str)], changes: &[&str
         std::fs::create_dir_all(to.parent().unwrap()).unwrap();
         std::fs::copy(src, &to).unwrap_or_else(|e| panic!("copying {}: {e}", src.display()));
     }
-    let id = sh(
+    let id = common::run(
         Command::new("docker").args(["create", base, "/bin/true"]),
         "docker create",
     );
@@ -260,7 +247,7 @@ fn layered_image(base: &str, tag: &str, files: &[(&Path, &str)], changes: &[&str
         let top = top.unwrap().path();
         let name = top.file_name().unwrap().to_string_lossy().into_owned();
         // Copying the directory's contents merges them into the image's `/name`.
-        sh(
+        common::run(
             Command::new("docker")
                 .arg("cp")
                 .arg(format!("{}/.", top.display()))
@@ -273,8 +260,8 @@ fn layered_image(base: &str, tag: &str, files: &[(&Path, &str)], changes: &[&str
     for c in changes {
         commit.args(["--change", c]);
     }
-    sh(commit.args([id, tag]), "docker commit");
-    sh(Command::new("docker").args(["rm", id]), "docker rm");
+    common::run(commit.args([id, tag]), "docker commit");
+    common::run(Command::new("docker").args(["rm", id]), "docker rm");
 }
 
 /// A compose project of compose.yaml + tests/compose.test.yaml, taken down (volumes
@@ -295,7 +282,7 @@ impl Project {
     }
 
     fn run(&self, args: &[&str]) -> String {
-        sh(self.cmd().args(args), &format!("docker-compose {}", args.join(" ")))
+        common::run(self.cmd().args(args), &format!("docker-compose {}", args.join(" ")))
     }
 
     /// Container ids of `service`.
@@ -328,7 +315,7 @@ impl Drop for Project {
 /// `(status, exit code)` of a container; a container that was restarted fails the test
 /// with its log (nothing is killed here, so a restart means a stage crashed).
 fn state(container: &str) -> (String, i64) {
-    let s = sh(
+    let s = common::run(
         Command::new("docker").args([
             "inspect",
             "-f",
@@ -408,7 +395,7 @@ fn compose_up_runs_the_pipeline_scales_out_while_running_and_goes_down() {
     let bin = tempfile::tempdir().unwrap();
     let streamrl = bin.path().join("streamrl");
     // The debug build (numeric crates optimised), stripped to 60% of its size.
-    sh(
+    common::run(
         Command::new("objcopy")
             .arg("--strip-all")
             .arg(env!("CARGO_BIN_EXE_streamrl"))
@@ -422,7 +409,7 @@ fn compose_up_runs_the_pipeline_scales_out_while_running_and_goes_down() {
         .as_str()
         .expect("x-env.STREAMRL_SET")
         .to_string();
-    sh(
+    common::run(
         Command::new(env!("CARGO_BIN_EXE_streamrl"))
             .args(["validate", "--topology"])
             .arg(&fixture)

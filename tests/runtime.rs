@@ -57,6 +57,12 @@ impl Rig {
 }
 
 async fn rig(out_key: Option<&str>) -> Rig {
+    rig_of(SchemaId::Metrics, out_key).await
+}
+
+/// A stage reading `in` and writing `out` (4 partitions, split by `out_key`), both of
+/// `schema`, on a memory bus of its own.
+async fn rig_of(schema: SchemaId, out_key: Option<&str>) -> Rig {
     let bus = bus::connect(&common::unique("memory://runtime")).await.unwrap();
     for (t, p) in [("in", 1), ("out", 4), ("dlq", 1)] {
         bus.create_topic(&TopicSpec::new(t, p)).await.unwrap();
@@ -64,12 +70,12 @@ async fn rig(out_key: Option<&str>) -> Rig {
     let mut cfg = RunnerConfig::new("stage", "dlq");
     cfg.inputs.push(TopicBinding {
         name: "in".into(),
-        schema: SchemaId::Metrics,
+        schema,
         key: None,
     });
     cfg.outputs.push(TopicBinding {
         name: "out".into(),
-        schema: SchemaId::Metrics,
+        schema,
         key: out_key.map(str::to_string),
     });
     cfg.initial_backoff = Duration::from_millis(1);
@@ -404,29 +410,10 @@ impl Stage for EmitsOnTick {
 /// trace of whichever message came last; a group first seen in an output starts its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_group_keeps_its_own_trace_whenever_its_rows_are_emitted() {
-    let bus = bus::connect(&common::unique("memory://traces")).await.unwrap();
-    for (t, p) in [("in", 1), ("out", 4), ("dlq", 1)] {
-        bus.create_topic(&TopicSpec::new(t, p)).await.unwrap();
-    }
-    let mut cfg = RunnerConfig::new("stage", "dlq");
-    cfg.inputs.push(TopicBinding {
-        name: "in".into(),
-        schema: SchemaId::Prompts,
-        key: None,
-    });
-    cfg.outputs.push(TopicBinding {
-        name: "out".into(),
-        schema: SchemaId::Prompts,
-        key: Some("group_id".into()),
-    });
+    let r = rig_of(SchemaId::Prompts, Some("group_id")).await;
+    let bus = r.bus.clone();
     let sd = Shutdown::new();
-    let task = tokio::spawn(run_stage(
-        bus.clone(),
-        cfg,
-        Box::new(EmitsOnTick::default()),
-        sd.clone(),
-        Arc::new(StageMetrics::default()),
-    ));
+    let task = r.spawn(EmitsOnTick::default(), &sd);
     let mut out = bus.subscribe("check", &["out".into()]).await.unwrap();
     let producer = bus.producer("t").await.unwrap();
     let mut sent = std::collections::BTreeMap::new();

