@@ -118,6 +118,13 @@ enum Command {
         /// Topology file.
         #[arg(short, long, default_value = "topology.yaml", env = "STREAMRL_TOPOLOGY")]
         topology: PathBuf,
+        /// Serve the stage's counters and input lag in the Prometheus text format on
+        /// `GET /metrics` at this port.
+        #[arg(long, env = "STREAMRL_METRICS_PORT")]
+        metrics_port: Option<u16>,
+        /// Address the metrics endpoint binds (0.0.0.0 in a container).
+        #[arg(long, default_value = "127.0.0.1", env = "STREAMRL_METRICS_HOST")]
+        metrics_host: String,
     },
     /// Per topic: partitions, offsets and the lag of every consuming stage.
     Topics {
@@ -194,6 +201,40 @@ enum Command {
         #[command(subcommand)]
         which: bench::Which,
     },
+}
+
+/// `GET /metrics` on `host:port` in the background: the stage's counters and input lag in
+/// the Prometheus text format.
+async fn serve_metrics(
+    host: &str,
+    port: u16,
+    bus: Arc<dyn bus::Bus>,
+    cfg: streamrl_runtime::runner::RunnerConfig,
+    metrics: Arc<StageMetrics>,
+) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind((host, port))
+        .await
+        .with_context(|| format!("--metrics-port: binding {host}:{port}"))?;
+    tracing::info!(addr = %listener.local_addr()?, "serving Prometheus metrics on /metrics");
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let (bus, cfg, metrics) = (bus.clone(), cfg.clone(), metrics.clone());
+            async move {
+                let lag = streamrl_runtime::runner::input_lag(&bus, &cfg).await;
+                (
+                    [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                    metrics.prometheus(&cfg.stage, cfg.replica, lag),
+                )
+            }
+        }),
+    );
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::warn!(error = %e, "metrics endpoint stopped");
+        }
+    });
+    Ok(())
 }
 
 /// Every problem of the topology file at `path`, as one error.
@@ -354,6 +395,8 @@ async fn dispatch(cli: Cli) -> Result<()> {
             bus,
             replica,
             topology,
+            metrics_port,
+            metrics_host,
         } => {
             let t = load_on(&topology, bus)?;
             let decl = t.stages.get(&name).with_context(|| {
@@ -378,6 +421,9 @@ async fn dispatch(cli: Cli) -> Result<()> {
             let metrics = Arc::new(StageMetrics::default());
             let stage = stages::build(&t, &bus, &name, replica)?;
             let cfg = t.runner_config(&name, replica).expect("stage exists");
+            if let Some(port) = metrics_port {
+                serve_metrics(&metrics_host, port, bus.clone(), cfg.clone(), metrics.clone()).await?;
+            }
             run_stage(bus, cfg, stage, shutdown, metrics.clone()).await?;
             print_metrics(&[(format!("{name}-{replica}"), metrics)]);
             Ok(())

@@ -99,8 +99,21 @@ async fn stage_process_flushes_and_commits_on_sigterm() {
     let topic = common::unique("metrics");
     let stage = "archive_sigterm";
     let topo = topology(dir.path(), stage, &topic, 4);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let mut child = Command::new(env!("CARGO_BIN_EXE_streamrl"))
-        .args(["stage", stage, "--bus", &url, "--topology"])
+        .args([
+            "stage",
+            stage,
+            "--bus",
+            &url,
+            "--metrics-port",
+            &port.to_string(),
+            "--topology",
+        ])
         .arg(&topo)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -126,6 +139,22 @@ async fn stage_process_flushes_and_commits_on_sigterm() {
         8,
         "held rows are not committed before they are on disk"
     );
+    // The Prometheus endpoint: every message counted, the held pair still lagging.
+    let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let value = |metric: &str| -> u64 {
+        let prefix = format!("{metric}{{stage=\"{stage}\",replica=\"0\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix)?.parse().ok())
+            .unwrap_or_else(|| panic!("no {metric} in:\n{text}"))
+    };
+    assert_eq!(value("streamrl_stage_in_messages_total"), 10, "{text}");
+    assert!(text.contains("# TYPE streamrl_stage_in_rows_total counter"), "{text}");
+    assert!(value("streamrl_stage_input_lag") <= 2, "{text}");
 
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])

@@ -106,6 +106,11 @@ fn run_warm_starts_then_trains_through_every_stage_and_archives_the_lineage() {
         q("SELECT count(*) FROM metrics WHERE name = 'weight_load_failures'"),
         ["0"]
     );
+    // Publication to serving, per replica and version loaded (each replica loads one at least).
+    assert_eq!(
+        q("SELECT count(*) >= 2, min(value) >= 0, max(value) < 60000 FROM metrics WHERE name = 'weight_sync_ms'"),
+        ["true,true,true"]
+    );
     for r in ["rollout-0", "rollout-1"] {
         let cached: Vec<String> = std::fs::read_dir(dir.path().join("run/weights").join(r))
             .unwrap()

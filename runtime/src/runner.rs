@@ -146,6 +146,33 @@ impl StageMetrics {
             ("processing_ms", g(&self.processing_ns) / 1_000_000),
         ]
     }
+
+    /// The counters in the Prometheus text format (`streamrl_stage_<name>_total`, labelled
+    /// with the stage and replica), plus the input lag when it is known, for a scrape of
+    /// `streamrl stage --metrics-port`.
+    pub fn prometheus(&self, stage: &str, replica: u32, lag: Option<u64>) -> String {
+        let labels = format!(
+            "stage=\"{}\",replica=\"{replica}\"",
+            stage.replace(['"', '\\', '\n'], "_")
+        );
+        let mut out = String::new();
+        for (name, v) in self.snapshot() {
+            let help = match name {
+                "processing_ms" => "Milliseconds spent in the stage's process calls",
+                _ => "Count since the process started",
+            };
+            out.push_str(&format!(
+                "# HELP streamrl_stage_{name}_total {help}\n# TYPE streamrl_stage_{name}_total counter\nstreamrl_stage_{name}_total{{{labels}}} {v}\n"
+            ));
+        }
+        if let Some(l) = lag {
+            out.push_str(&format!(
+                "# HELP streamrl_stage_input_lag Input records the stage's group has not committed\n\
+                 # TYPE streamrl_stage_input_lag gauge\nstreamrl_stage_input_lag{{{labels}}} {l}\n"
+            ));
+        }
+        out
+    }
 }
 
 /// Tells running stages to stop (SIGINT/SIGTERM, or a test).
@@ -385,7 +412,7 @@ pub async fn run_stage(
 const MAX_DRAIN: Duration = Duration::from_secs(60);
 
 /// Records of the stage's inputs its group has not committed yet (`None`: unknown).
-async fn input_lag(bus: &Arc<dyn Bus>, cfg: &RunnerConfig) -> Option<u64> {
+pub async fn input_lag(bus: &Arc<dyn Bus>, cfg: &RunnerConfig) -> Option<u64> {
     let group = std::slice::from_ref(&cfg.stage);
     let mut lag = 0;
     for t in &cfg.inputs {

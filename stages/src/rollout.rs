@@ -628,6 +628,10 @@ impl RolloutStage {
                     p.step,
                     &[
                         ("weight_load_ms", t0.elapsed().as_secs_f64() * 1e3),
+                        // From the trainer's publication (the row's created_at, its
+                        // clock) to this replica serving it; the largest over replicas
+                        // is the version's weight-sync time.
+                        ("weight_sync_ms", (crate::now_ms() - p.created_at).max(0) as f64),
                         ("policy_version", p.version as f64),
                     ],
                 ) {
