@@ -477,7 +477,10 @@ fn compose_up_runs_the_pipeline_scales_out_while_running_and_goes_down() {
     let first = project.containers("rollout");
     assert_eq!(first.len(), 1, "one rollout replica to start with");
 
-    // Scale out while it runs: the new replica joins the group and takes partitions.
+    // Scale out while it runs: the new replica joins the group and takes partitions. What
+    // the first one owns is read before (the newcomer may have joined by the time the
+    // scale command returns).
+    let (before, _) = owned(&project.logs(&first[0]));
     project.run(&[
         "up",
         "-d",
@@ -491,7 +494,6 @@ fn compose_up_runs_the_pipeline_scales_out_while_running_and_goes_down() {
     assert_eq!(both.len(), 2, "two rollout replicas after --scale rollout=2: {both:?}");
     let new = both.iter().find(|c| !first.contains(c)).unwrap().clone();
     let scaled_at_version = number(dir, "SELECT max(version) FROM policy");
-    let (before, _) = owned(&project.logs(&first[0]));
     // Until the group has rebalanced: the newcomer owns partitions, the first one fewer.
     let (old_parts, new_parts) = loop {
         let (o, _) = owned(&project.logs(&first[0]));
