@@ -584,10 +584,10 @@ impl GroupTraces {
         }
     }
 
-    /// Records `traceparent` as the context of every group of an input batch.
-    fn remember(&mut self, batch: &RecordBatch, traceparent: &str) {
-        for g in Self::groups_of(batch) {
-            self.insert(g, traceparent.to_string());
+    /// Records `traceparent` as the context of `groups` (an input's, [`Self::groups_of`]).
+    fn remember(&mut self, groups: &[String], traceparent: &str) {
+        for g in groups {
+            self.insert(g.clone(), traceparent.to_string());
         }
     }
 
@@ -706,13 +706,14 @@ impl Runner {
         self.metrics
             .in_rows
             .fetch_add(batch.num_rows() as u64, Ordering::Relaxed);
-        if let Some(tp) = &self.traceparent {
-            self.groups.remember(&batch, tp);
-        }
         span.record("rows", batch.num_rows() as i64);
         let groups = GroupTraces::groups_of(&batch);
         if !groups.is_empty() {
             span.record("group_id", groups.join(",").as_str());
+            // A sink (the archive) emits nothing a group's context could go on.
+            if let Some(tp) = self.traceparent.as_deref().filter(|_| !self.outputs.is_empty()) {
+                self.groups.remember(&groups, tp);
+            }
         }
         let input = Input {
             topic: msg.topic.clone(),
