@@ -466,103 +466,6 @@ fn bench_scale_executes_every_rollout_once_at_each_replica_count() {
     );
 }
 
-/// A span as an OTLP receiver got it.
-#[derive(Debug, Clone)]
-struct ExportedSpan {
-    service: String,
-    name: String,
-    trace_id: String,
-    span_id: String,
-    parent_span_id: String,
-    group_id: Option<String>,
-}
-
-/// An OTLP/HTTP receiver in this process on 127.0.0.1: answers every request 200 and
-/// decodes each `/v1/traces` body (protobuf `ExportTraceServiceRequest`) into spans.
-fn otlp_receiver() -> (u16, std::sync::Arc<std::sync::Mutex<Vec<ExportedSpan>>>) {
-    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
-    use opentelemetry_proto::tonic::common::v1::any_value::Value;
-    use prost::Message as _;
-    use std::io::{BufRead, BufReader, Read, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let spans = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let out = spans.clone();
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            let Ok(conn) = conn else { continue };
-            let out = out.clone();
-            std::thread::spawn(move || {
-                let mut w = conn.try_clone().unwrap();
-                let mut r = BufReader::new(conn);
-                // Keep-alive: one request after another on the connection.
-                loop {
-                    let mut line = String::new();
-                    if r.read_line(&mut line).unwrap_or(0) == 0 {
-                        return;
-                    }
-                    let path = line.split_whitespace().nth(1).unwrap_or("").to_string();
-                    let mut len = 0;
-                    loop {
-                        let mut h = String::new();
-                        if r.read_line(&mut h).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if h == "\r\n" {
-                            break;
-                        }
-                        if let Some((k, v)) = h.split_once(':')
-                            && k.eq_ignore_ascii_case("content-length")
-                        {
-                            len = v.trim().parse().unwrap();
-                        }
-                    }
-                    let mut body = vec![0; len];
-                    r.read_exact(&mut body).unwrap();
-                    if path == "/v1/traces" {
-                        let req = ExportTraceServiceRequest::decode(&body[..]).expect("an OTLP protobuf trace export");
-                        for rs in req.resource_spans {
-                            let service = rs
-                                .resource
-                                .iter()
-                                .flat_map(|r| &r.attributes)
-                                .find(|a| a.key == "service.name")
-                                .and_then(|a| match a.value.as_ref()?.value.as_ref()? {
-                                    Value::StringValue(s) => Some(s.clone()),
-                                    _ => None,
-                                })
-                                .unwrap_or_default();
-                            for s in rs.scope_spans.into_iter().flat_map(|ss| ss.spans) {
-                                let group_id =
-                                    s.attributes.iter().find(|a| a.key == "group_id").and_then(|a| {
-                                        match a.value.as_ref()?.value.as_ref()? {
-                                            Value::StringValue(v) => Some(v.clone()),
-                                            _ => None,
-                                        }
-                                    });
-                                let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
-                                out.lock().unwrap().push(ExportedSpan {
-                                    service: service.clone(),
-                                    name: s.name.clone(),
-                                    trace_id: hex(&s.trace_id),
-                                    span_id: hex(&s.span_id),
-                                    parent_span_id: hex(&s.parent_span_id),
-                                    group_id,
-                                });
-                            }
-                        }
-                    }
-                    w.write_all(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n",
-                    )
-                    .unwrap();
-                }
-            });
-        }
-    });
-    (port, spans)
-}
-
 /// One trajectory, one trace: a group's rollouts go through a sandbox stage process and a
 /// reward stage process, each exporting over OTLP; the receiver decodes the protobuf, and
 /// the group's `execute` span (in `streamrl-<sandbox>`) is a child of the producer's span,
@@ -571,7 +474,7 @@ fn otlp_receiver() -> (u16, std::sync::Arc<std::sync::Mutex<Vec<ExportedSpan>>>)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_trajectory_is_one_trace_across_stage_processes() {
     let url = common::kafka_url();
-    let (port, spans) = otlp_receiver();
+    let (port, received) = common::otlp::receiver();
     let dir = tempfile::tempdir().unwrap();
     let id = common::unique("tr").replace('-', "_");
     let (rollouts, executed, scored) = (
@@ -655,9 +558,10 @@ async fn one_trajectory_is_one_trace_across_stage_processes() {
     }
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let find = |service: &str, name: &str| {
-        spans
+        received
             .lock()
             .unwrap()
+            .spans
             .iter()
             .find(|s| s.trace_id == trace && s.service == service && s.name == name)
             .cloned()
@@ -672,7 +576,7 @@ async fn one_trajectory_is_one_trace_across_stage_processes() {
         assert!(
             std::time::Instant::now() < deadline,
             "no execute and score spans in trace {trace}; got {:#?}",
-            spans.lock().unwrap()
+            received.lock().unwrap().spans
         );
         std::thread::sleep(Duration::from_millis(100));
     };

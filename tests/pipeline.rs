@@ -1,13 +1,20 @@
 //! `streamrl run` end to end on the embedded bus: SFT warm start, then asynchronous RL
 //! through every stage, stopping at `max_steps`; the archive answers lineage queries.
 
+mod common;
+
 use std::path::Path;
 use std::process::Command;
 
 fn streamrl(dir: &Path, args: &[&str]) -> (bool, String, String) {
+    streamrl_with(dir, args, &[])
+}
+
+fn streamrl_with(dir: &Path, args: &[&str], env: &[(&str, String)]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_streamrl"))
         .args(args)
         .current_dir(dir)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .output()
         .expect("run streamrl");
     (
@@ -209,8 +216,12 @@ fn run_warm_starts_then_trains_through_every_stage_and_archives_the_lineage() {
 /// tool format; the rollout stage stops at `</python>`, the sandbox stage runs the call in a
 /// real sandbox and sends its output back on `continuations`, the rollout stage generates
 /// the answer turn, and the trainer trains on trajectories whose tool tokens are masked.
+///
+/// The run exports its telemetry over OTLP to a receiver in this test, which checks the
+/// metrics against the archive and the trace of every step (see `check_telemetry`).
 #[test]
 fn run_trains_on_multi_turn_tool_trajectories_executed_in_sandboxes() {
+    let (port, received) = common::otlp::receiver();
     let dir = tempfile::tempdir().unwrap();
     let topology = TOPOLOGY
         .replace("run_id: e2e", "run_id: tool")
@@ -232,7 +243,14 @@ fn run_trains_on_multi_turn_tool_trajectories_executed_in_sandboxes() {
             && topology.contains("max_tokens: 48")
     );
     std::fs::write(dir.path().join("topology.yaml"), topology).unwrap();
-    let (ok, out, err) = streamrl(dir.path(), &["run"]);
+    let (ok, out, err) = streamrl_with(
+        dir.path(),
+        &["run"],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://127.0.0.1:{port}")),
+            ("OTEL_METRIC_EXPORT_INTERVAL", "1000".into()),
+        ],
+    );
     assert!(ok, "run failed:\n{out}\n{err}");
     assert!(err.contains("trainer reached max_steps 2"), "{err}");
     let q = |sql: &str| {
@@ -266,4 +284,89 @@ fn run_trains_on_multi_turn_tool_trajectories_executed_in_sandboxes() {
         !dir.path().join("run/archive/dead_letter").exists(),
         "dead letters were written"
     );
+    check_telemetry(&received.lock().unwrap(), calls, &q);
+}
+
+/// What the tool run exported over OTLP (the exporters flush at exit):
+/// * metrics: every stage counted its inputs and timed them; the trainer's sample
+///   outcomes and staleness histogram agree with the lineage in the archive; the sandbox
+///   counted one `ok` execution per tool call; the rollout counted generated tokens; the
+///   metric rows arrived as `streamrl.stage.value` gauges;
+/// * traces: each `train-step` span is a root linked to the traces of the groups it
+///   trained, and each of those traces starts with the group's `admit` span (a root) and
+///   holds its `generate` and `mask` spans.
+fn check_telemetry(r: &common::otlp::Received, calls: usize, q: &dyn Fn(&str) -> Vec<String>) {
+    let total =
+        |metric: &str, filter: &[(&str, &str)]| -> f64 { r.latest(metric, filter).iter().map(|p| p.value).sum() };
+    for stage in ["source", "rollout", "sandbox", "reward", "mask", "trainer", "archive"] {
+        assert!(
+            total("streamrl.stage.messages", &[("stage", stage), ("direction", "in")]) > 0.0,
+            "no streamrl.stage.messages from {stage}; got {:?}",
+            r.latest("streamrl.stage.messages", &[])
+        );
+        assert!(
+            total("streamrl.stage.duration", &[("stage", stage)]) > 0.0,
+            "no streamrl.stage.duration from {stage}"
+        );
+    }
+    let lineage = |outcomes: &str| -> f64 {
+        q(&format!("SELECT count(*) FROM trained WHERE outcome IN ({outcomes})"))[0]
+            .parse()
+            .unwrap()
+    };
+    let trained = lineage("'trained'");
+    assert!(trained > 0.0);
+    assert_eq!(total("streamrl.train.samples", &[("outcome", "trained")]), trained);
+    assert_eq!(
+        total("streamrl.train.staleness", &[]),
+        lineage("'trained', 'filtered', 'stale'"),
+        "one staleness observation per sample a step consumed"
+    );
+    let staleness = r.latest("streamrl.train.staleness", &[]);
+    assert!(
+        staleness.iter().all(|p| p.unit == "{version}" && p.sum.is_some()),
+        "{staleness:?}"
+    );
+    assert_eq!(
+        total("streamrl.sandbox.executions", &[("stage", "sandbox"), ("status", "ok")]),
+        calls as f64
+    );
+    assert!(total("streamrl.rollout.tokens", &[]) >= 16.0);
+    assert!(total("streamrl.train.tokens", &[]) > 0.0);
+    assert!(
+        !r.latest("streamrl.stage.value", &[("stage", "trainer"), ("name", "loss")])
+            .is_empty(),
+        "the trainer's loss row never reached the gauge"
+    );
+    assert!(
+        !r.latest("streamrl.stage.lag", &[]).is_empty(),
+        "no input lag was sampled"
+    );
+
+    let steps: Vec<_> = r.spans.iter().filter(|s| s.name == "train-step").collect();
+    assert_eq!(steps.len(), 2, "one train-step span per version");
+    for step in steps {
+        assert!(step.parent_span_id.is_empty(), "a step is a root: {step:?}");
+        assert!(
+            !step.links.is_empty(),
+            "a step links to the groups it trained: {step:?}"
+        );
+        for trace in &step.links {
+            let names: Vec<&str> = r
+                .spans
+                .iter()
+                .filter(|s| &s.trace_id == trace)
+                .map(|s| s.name.as_str())
+                .collect();
+            for want in ["admit", "generate", "mask"] {
+                assert!(names.contains(&want), "trace {trace} lacks `{want}`: {names:?}");
+            }
+            let admit = r
+                .spans
+                .iter()
+                .find(|s| &s.trace_id == trace && s.name == "admit" && s.parent_span_id.is_empty())
+                .unwrap_or_else(|| panic!("trace {trace} has no root admit span"));
+            assert!(admit.group_id.is_some());
+        }
+    }
 }

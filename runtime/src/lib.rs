@@ -1,6 +1,6 @@
 //! The streamrl stage runtime: the [`Stage`] trait, the [`bus`] (memory and Kafka
 //! backends behind one trait, chosen by URL), the [`runner`] that owns every stage's loop,
-//! the [`topology`] compiler, and [`telemetry`].
+//! the [`topology`] compiler, [`telemetry`] and its [`instruments`].
 //!
 //! A stage is plain code over Arrow batches; the runtime decodes, delivers, acknowledges,
 //! retries and dead-letters around it:
@@ -28,6 +28,7 @@
 
 pub mod bus;
 mod error;
+pub mod instruments;
 pub mod runner;
 pub mod running;
 mod stage;

@@ -276,7 +276,22 @@ pub async fn run_stage(
         policy_version: None,
         traceparent: None,
         groups: GroupTraces::default(),
+        instruments: crate::instruments::Instruments::new(&cfg.stage, cfg.replica),
     };
+    // The input lag as a metric, sampled while the replica runs (exported metrics only).
+    let lag_sampler = (crate::telemetry::metrics_enabled() && !cfg.inputs.is_empty()).then(|| {
+        let (bus, cfg, instruments) = (bus.clone(), cfg.clone(), runner.instruments.clone());
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(LAG_SAMPLE_INTERVAL);
+            loop {
+                every.tick().await;
+                if let Some(lag) = input_lag(&bus, &cfg).await {
+                    instruments.lag(lag);
+                }
+            }
+        })
+    });
+    let _stop_sampling = AbortOnDrop(lag_sampler);
     let mut out = Emitter::default();
     let state_file = cfg
         .state_dir
@@ -407,6 +422,20 @@ pub async fn run_stage(
     Ok(())
 }
 
+/// How often a replica samples its input lag for the `streamrl.stage.lag` gauge.
+const LAG_SAMPLE_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Aborts a background task when dropped (however the replica's loop ends).
+struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(t) = self.0.take() {
+            t.abort();
+        }
+    }
+}
+
 /// How long a draining stage waits at the end of the run for its inputs to be consumed
 /// before it gives up (and exits with an error, so that a restarted process reads them).
 const MAX_DRAIN: Duration = Duration::from_secs(60);
@@ -535,6 +564,7 @@ struct Runner {
     policy_version: Option<u32>,
     traceparent: Option<String>,
     groups: GroupTraces,
+    instruments: crate::instruments::Instruments,
 }
 
 /// Groups whose trace context a replica remembers at most (the oldest are forgotten).
@@ -591,15 +621,17 @@ impl GroupTraces {
         }
     }
 
-    /// The context for an output part of one group: the group's, or a new trace for a
-    /// group not seen before. `None` for rows of no group (metrics, policy) or of several
+    /// The context for an output part of one group: the group's, or, for a group not seen
+    /// before (the source admitting it), the context of a new root span `span_name` (the
+    /// trajectory's first). `None` for rows of no group (metrics, policy) or of several
     /// (the trainer's lineage of a step), which keep the context of the message in hand.
-    fn for_output(&mut self, part: &RecordBatch) -> Option<String> {
+    fn for_output(&mut self, part: &RecordBatch, span_name: &str, instance: &str) -> Option<String> {
         let [g] = <[String; 1]>::try_from(Self::groups_of(part)).ok()?;
         if let Some(tp) = self.by_group.get(&g) {
             return Some(tp.clone());
         }
-        let tp = telemetry::new_traceparent();
+        let span = telemetry::root_span(span_name, instance, &g, part.num_rows());
+        let tp = telemetry::traceparent_for(&span, None).unwrap_or_else(telemetry::new_traceparent);
         self.insert(g, tp.clone());
         Some(tp)
     }
@@ -636,6 +668,7 @@ impl Runner {
                 Ok(()) => return Ok(()),
                 Err(e) => {
                     self.metrics.errors.fetch_add(1, Ordering::Relaxed);
+                    self.instruments.error();
                     // Outputs of a failed attempt are discarded: a retry emits them again.
                     out.take();
                     out.take_flags();
@@ -706,6 +739,7 @@ impl Runner {
         self.metrics
             .in_rows
             .fetch_add(batch.num_rows() as u64, Ordering::Relaxed);
+        self.instruments.received(batch.num_rows() as u64);
         span.record("rows", batch.num_rows() as i64);
         let groups = GroupTraces::groups_of(&batch);
         if !groups.is_empty() {
@@ -723,6 +757,7 @@ impl Runner {
             headers,
             batch,
         };
+        let t0 = Instant::now();
         let r = self
             .with_retries(
                 out,
@@ -734,6 +769,7 @@ impl Runner {
             )
             .instrument(span)
             .await;
+        self.instruments.processed(t0.elapsed());
         self.finish(&msg, r, out).await
     }
 
@@ -754,6 +790,8 @@ impl Runner {
             self.policy_version = Some(v);
         }
         let mut pending: Vec<(DeliveryFuture, u64)> = Vec::new();
+        // Set by the stage (`Emitter::set_trace_context`) for outputs of no single group.
+        let mut context: Option<String> = None;
         for item in out.take() {
             match item {
                 Emitted::Batch { topic, batch } => {
@@ -776,7 +814,11 @@ impl Runner {
                     {
                         let payload = codec::encode(&part, self.cfg.compression)?;
                         let mut headers = self.headers(binding.schema);
-                        if let Some(tp) = self.groups.for_output(&part) {
+                        if let Some(tp) = self
+                            .groups
+                            .for_output(&part, &self.cfg.span_name, &self.instance)
+                            .or_else(|| context.clone())
+                        {
                             headers.traceparent = Some(tp);
                         }
                         let record = Record {
@@ -803,6 +845,7 @@ impl Runner {
                     pending.push((fut, 0));
                 }
                 Emitted::Barrier => self.await_delivery(std::mem::take(&mut pending)).await?,
+                Emitted::Trace(tp) => context = Some(tp),
             }
         }
         self.await_delivery(pending).await
@@ -815,6 +858,7 @@ impl Runner {
         try_join_all(pending.into_iter().map(|(f, _)| f)).await?;
         self.metrics.out_messages.fetch_add(n, Ordering::Relaxed);
         self.metrics.out_rows.fetch_add(rows, Ordering::Relaxed);
+        self.instruments.delivered(n, rows);
         Ok(())
     }
 
@@ -853,6 +897,7 @@ impl Runner {
         record.key = msg.key.clone();
         self.producer.send(&self.cfg.dead_letter, record).await?.await?;
         self.metrics.dead_lettered.fetch_add(1, Ordering::Relaxed);
+        self.instruments.dead_lettered();
         Ok(())
     }
 }

@@ -67,6 +67,7 @@ pub(crate) enum Emitted {
     Batch { topic: String, batch: RecordBatch },
     Signal { topic: String, signal: Signal },
     Barrier,
+    Trace(String),
 }
 
 impl Emitter {
@@ -96,6 +97,14 @@ impl Emitter {
     /// on `trained`, whatever instant the process is killed at.
     pub fn barrier(&mut self) {
         self.outputs.push(Emitted::Barrier);
+    }
+
+    /// Outputs emitted after this call that belong to no single group (a policy version,
+    /// metric rows) carry this trace context, a W3C `traceparent`, instead of the input's:
+    /// the trainer's step span is the parent of the version it publishes. Rows of one group
+    /// keep their group's trace.
+    pub fn set_trace_context(&mut self, traceparent: impl Into<String>) {
+        self.outputs.push(Emitted::Trace(traceparent.into()));
     }
 
     /// Stamps outputs from now on with this policy version header.
@@ -136,7 +145,7 @@ impl Emitter {
             .into_iter()
             .filter_map(|e| match e {
                 Emitted::Batch { topic, batch } => Some((topic, batch)),
-                Emitted::Signal { .. } | Emitted::Barrier => None,
+                Emitted::Signal { .. } | Emitted::Barrier | Emitted::Trace(_) => None,
             })
             .collect()
     }

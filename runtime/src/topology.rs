@@ -114,8 +114,9 @@ impl StageKind {
     }
 
     /// The name of the span a stage of this kind handles one message in (what it does to
-    /// a trajectory): `admit`, `generate`, `execute`, `score`, `mask`, `train-step`,
-    /// `archive`.
+    /// a trajectory): `admit`, `generate`, `execute`, `score`, `mask`, `train` (a group
+    /// joins the trainer's buffer; each optimizer step is a `train-step` span of its own,
+    /// linked to the groups it consumed), `archive`.
     pub fn span_name(self) -> &'static str {
         match self {
             StageKind::Source => "admit",
@@ -123,7 +124,7 @@ impl StageKind {
             StageKind::Sandbox => "execute",
             StageKind::Reward => "score",
             StageKind::Mask => "mask",
-            StageKind::Trainer => "train-step",
+            StageKind::Trainer => "train",
             StageKind::Archive => "archive",
         }
     }

@@ -152,8 +152,18 @@ impl Ctx {
         })
     }
 
-    /// Metric rows for the `metrics` output (empty when the stage has none).
+    /// This replica's OpenTelemetry instruments.
+    pub fn instruments(&self) -> streamrl_runtime::instruments::Instruments {
+        streamrl_runtime::instruments::Instruments::new(&self.stage, self.replica)
+    }
+
+    /// Metric rows for the `metrics` output (empty when the stage has none). Each value
+    /// also goes to the `streamrl.stage.value` gauge, for an OpenTelemetry backend.
     pub fn metrics(&self, step: u64, values: &[(&str, f64)]) -> Option<(String, arrow::record_batch::RecordBatch)> {
+        let instruments = self.instruments();
+        for (name, value) in values {
+            instruments.value(name, *value);
+        }
         let topic = self.output(SchemaId::Metrics)?;
         let now = now_ms();
         let rows: Vec<MetricRow> = values

@@ -489,6 +489,9 @@ impl RolloutStage {
         }
         let tok = self.tokenizer.clone();
         let mut rows_out = Vec::with_capacity(done.len());
+        self.ctx
+            .instruments()
+            .generated(done.iter().map(|o| o.tokens.len() as u64).sum());
         for o in done {
             let Some(pending) = self.requests.remove(&o.id) else {
                 continue;
@@ -624,6 +627,10 @@ impl RolloutStage {
         match r {
             Ok(()) => {
                 tracing::debug!(stage = %self.ctx.instance(), version = p.version, ms = t0.elapsed().as_millis() as u64, "loaded policy");
+                let sync_ms = (crate::now_ms() - p.created_at).max(0);
+                self.ctx
+                    .instruments()
+                    .weight_sync(std::time::Duration::from_millis(sync_ms as u64));
                 if let Some((t, b)) = self.ctx.metrics(
                     p.step,
                     &[
@@ -631,7 +638,7 @@ impl RolloutStage {
                         // From the trainer's publication (the row's created_at, its
                         // clock) to this replica serving it; the largest over replicas
                         // is the version's weight-sync time.
-                        ("weight_sync_ms", (crate::now_ms() - p.created_at).max(0) as f64),
+                        ("weight_sync_ms", sync_ms as f64),
                         ("policy_version", p.version as f64),
                     ],
                 ) {

@@ -17,7 +17,7 @@
 //! where namespaces are not available. Replicas share the work through the bus.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
@@ -76,6 +76,7 @@ pub struct SandboxStage {
     pool: Option<Arc<Pool>>,
     executed: String,
     continuations: Option<String>,
+    instruments: streamrl_runtime::instruments::Instruments,
 }
 
 impl SandboxStage {
@@ -117,6 +118,7 @@ impl SandboxStage {
             pool,
             executed: executed.expect("checked"),
             continuations,
+            instruments: ctx.instruments(),
         })
     }
 }
@@ -252,6 +254,7 @@ impl Stage for SandboxStage {
         }
         // Execute what needs executing, at most max_concurrency at once.
         let mut results: Vec<Option<ExecResult>> = vec![None; plans.len()];
+        let mut took = vec![Duration::ZERO; plans.len()];
         let sem = Arc::new(tokio::sync::Semaphore::new(self.cfg.max_concurrency));
         let mut tasks = tokio::task::JoinSet::new();
         for (i, p) in plans.iter().enumerate() {
@@ -278,8 +281,19 @@ impl Stage for SandboxStage {
             });
         }
         while let Some(done) = tasks.join_next().await {
-            let (i, r, _) = done.map_err(|e| StageError::internal(format!("sandbox task: {e}")))?;
+            let (i, r, d) = done.map_err(|e| StageError::internal(format!("sandbox task: {e}")))?;
             results[i] = Some(r);
+            took[i] = d;
+        }
+        let instruments = &self.instruments;
+        for (p, (r, d)) in plans.iter().zip(results.iter().zip(&took)) {
+            let status = match (p, r) {
+                (Plan::Skip(_), _) => "skipped",
+                (Plan::Refuse(_), _) => "internal_error",
+                (_, Some(r)) => r.status.as_str(),
+                (_, None) => continue,
+            };
+            instruments.sandbox_execution(status, *d);
         }
         let (mut exec_rows, mut cont_rows) = (Vec::new(), Vec::new());
         for ((r, p), res) in rollouts.into_iter().zip(plans).zip(results) {

@@ -28,13 +28,13 @@
 //! one row per copy it dropped (duplicate, superseded) when it drops it. After
 //! `max_steps` it signals the end of the run on `policy` ([`Signal::EndOfRun`]).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use streamrl_model::chat::ChatTemplate;
-use streamrl_runtime::{Emitter, Input, Stage, StageError};
+use streamrl_runtime::{Emitter, Input, Stage, StageError, telemetry};
 use streamrl_schemas::{Outcome, PolicyRow, SampleRow, SchemaId, Signal, TopicRow, TrainedRow};
 
 use crate::train::{Learner, StepReport, TrainConfig, TrainSample};
@@ -196,6 +196,9 @@ pub struct TrainerStage {
     ckpt_server: Option<crate::weights::CheckpointServer>,
     /// Base URL of the published checkpoints (`None`: `file://` paths).
     ckpt_base: Option<String>,
+    /// The trace context of each buffered group's message: a step's span links to them.
+    traces: HashMap<String, String>,
+    instruments: streamrl_runtime::instruments::Instruments,
 }
 
 /// Which of the stored `versions` (version, when written; ascending) to keep: the newest
@@ -312,6 +315,7 @@ impl TrainerStage {
             sha256: sha,
             created_at: now_ms(),
         };
+        let instruments = ctx.instruments();
         Ok(TrainerStage {
             ckpt_listener,
             ckpt_server: None,
@@ -337,6 +341,8 @@ impl TrainerStage {
             duplicates: 0,
             missing: 0,
             template,
+            traces: HashMap::new(),
+            instruments,
         })
     }
 
@@ -510,9 +516,15 @@ impl TrainerStage {
             self.missing += (self.cfg.groups_per_step - groups.len()) as u64;
         }
         self.waiting_since = None;
+        let linked: Vec<String> = groups.iter().filter_map(|(g, _)| self.traces.remove(g)).collect();
         for (g, _) in &groups {
             out.release(g.clone());
         }
+        // The step is a trace of its own, linked to every group it consumes; the version
+        // it publishes (and its metrics) carry its context.
+        let span = telemetry::linked_span("train-step", &self.ctx.instance(), &linked);
+        let _in_step = span.enter();
+        out.set_trace_context(telemetry::traceparent_for(&span, None).unwrap_or_else(telemetry::new_traceparent));
         let all: Vec<SampleRow> = groups.into_iter().flat_map(|(_, v)| v).collect();
         let version = self.version;
         let oldest_ok = version.saturating_sub(self.cfg.max_off_policy_steps);
@@ -523,17 +535,21 @@ impl TrainerStage {
         for s in &all {
             let oldest = s.completion_versions.iter().copied().min().unwrap_or(version as u32) as u64;
             *staleness.entry(version.saturating_sub(oldest)).or_default() += 1;
+            self.instruments.staleness(version.saturating_sub(oldest));
             if !s.loss_mask.iter().any(|m| *m) {
                 filtered_samples += 1;
                 outcomes.push((s, Outcome::Filtered));
+                self.instruments.sample(Outcome::Filtered.name());
                 continue;
             }
             if oldest < oldest_ok {
                 stale += 1;
                 outcomes.push((s, Outcome::Stale));
+                self.instruments.sample(Outcome::Stale.name());
                 continue;
             }
             outcomes.push((s, Outcome::Trained));
+            self.instruments.sample(Outcome::Trained.name());
             train.push(TrainSample {
                 prompt: s.prompt_token_ids.clone(),
                 completion: s.completion_token_ids.clone(),
@@ -547,7 +563,18 @@ impl TrainerStage {
         } else {
             compute(|| self.learner.step(&train)).map_err(|e| StageError::internal(format!("train step: {e}")))?
         };
+        if !train.is_empty() {
+            self.instruments.train_step(
+                report.tokens as u64,
+                std::time::Duration::from_secs_f64(report.seconds.max(0.0)),
+            );
+        }
+        span.record("samples", all.len() as i64);
+        span.record("trained", train.len() as i64);
+        span.record("tokens", report.tokens as i64);
+        span.record("loss", report.loss as f64);
         self.version += 1;
+        span.record("policy_version", self.version as i64);
         if self.buffer.range(self.version + 1..).next().is_some() {
             self.waiting_since = Some(std::time::Instant::now());
         }
@@ -808,8 +835,14 @@ impl Stage for TrainerStage {
                 .or_default()
                 .push(s);
         }
+        for (_, o) in &dropped {
+            self.instruments.sample(o.name());
+        }
         // One message is one group: held under its id until the step that trains it is saved.
         if let Some(g) = kept {
+            if let Some(tp) = &input.headers.traceparent {
+                self.traces.insert(g.clone(), tp.clone());
+            }
             out.hold_as(g);
         }
         let rows = self.lineage_rows(self.version + 1, dropped.iter().map(|(s, o)| (s, *o)));

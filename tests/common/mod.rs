@@ -2,6 +2,7 @@
 //! tools (kcat, pyarrow, duckdb) fetched when the machine lacks them, unique names.
 #![allow(dead_code)]
 
+pub mod otlp;
 pub mod smollm2;
 
 use std::net::TcpListener;

@@ -1,0 +1,245 @@
+//! Every OpenTelemetry metric streamrl records, in one place: names, units, attributes.
+//!
+//! Stages and the runner record through the global meter provider. [`crate::telemetry::init`]
+//! installs an OTLP exporter as that provider when `OTEL_EXPORTER_OTLP_ENDPOINT` is set
+//! (every `OTEL_METRIC_EXPORT_INTERVAL` ms, 60 s by default, and at exit); otherwise every
+//! instrument is a no-op and costs a branch. The names follow OpenTelemetry's conventions
+//! (dotted, units in `unit`, not in the name); rates such as tokens/s are the backend's
+//! `rate()` over the counters.
+//!
+//! | instrument | kind | unit | attributes |
+//! |---|---|---|---|
+//! | `streamrl.stage.messages` | counter | `{message}` | stage, replica, direction (`in`/`out`) |
+//! | `streamrl.stage.rows` | counter | `{row}` | stage, replica, direction |
+//! | `streamrl.stage.duration` | histogram | `s` | stage, replica (time in `process` per input) |
+//! | `streamrl.stage.errors` | counter | `{error}` | stage, replica |
+//! | `streamrl.stage.dead_letters` | counter | `{message}` | stage, replica |
+//! | `streamrl.stage.lag` | gauge | `{record}` | stage, replica (input records not committed) |
+//! | `streamrl.rollout.tokens` | counter | `{token}` | stage, replica (generated) |
+//! | `streamrl.rollout.weight_sync` | histogram | `s` | stage, replica (publish → serving) |
+//! | `streamrl.sandbox.executions` | counter | `{execution}` | stage, replica, status |
+//! | `streamrl.sandbox.duration` | histogram | `s` | stage, replica, status |
+//! | `streamrl.train.samples` | counter | `{sample}` | stage, replica, outcome |
+//! | `streamrl.train.staleness` | histogram | `{version}` | stage, replica (per sample received for a step) |
+//! | `streamrl.train.tokens` | counter | `{token}` | stage, replica (trained) |
+//! | `streamrl.train.step.duration` | histogram | `s` | stage, replica |
+//! | `streamrl.stage.value` | gauge | | stage, replica, name (each row a stage writes on `metrics`: loss, tokens_per_s, ...) |
+//!
+//! ```
+//! use streamrl_runtime::instruments::Instruments;
+//! // Without an installed provider this records nothing, and never fails.
+//! let m = Instruments::new("sandbox", 0);
+//! m.sandbox_execution("ok", std::time::Duration::from_millis(12));
+//! ```
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use opentelemetry::KeyValue;
+use opentelemetry::metrics::{Counter, Gauge, Histogram, Meter};
+
+/// The instruments, built once from the global meter (after [`crate::telemetry::init`]).
+struct All {
+    messages: Counter<u64>,
+    rows: Counter<u64>,
+    duration: Histogram<f64>,
+    errors: Counter<u64>,
+    dead_letters: Counter<u64>,
+    lag: Gauge<u64>,
+    rollout_tokens: Counter<u64>,
+    weight_sync: Histogram<f64>,
+    executions: Counter<u64>,
+    execution_duration: Histogram<f64>,
+    samples: Counter<u64>,
+    staleness: Histogram<u64>,
+    train_tokens: Counter<u64>,
+    step_duration: Histogram<f64>,
+    value: Gauge<f64>,
+}
+
+/// Seconds: from a millisecond to ten minutes.
+const SECONDS: [f64; 14] = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0, 600.0,
+];
+
+fn all() -> &'static All {
+    static ALL: OnceLock<All> = OnceLock::new();
+    ALL.get_or_init(|| {
+        let m: Meter = opentelemetry::global::meter("streamrl");
+        let seconds = |name: &'static str, what: &'static str| {
+            m.f64_histogram(name)
+                .with_unit("s")
+                .with_description(what)
+                .with_boundaries(SECONDS.to_vec())
+                .build()
+        };
+        All {
+            messages: m
+                .u64_counter("streamrl.stage.messages")
+                .with_unit("{message}")
+                .with_description("Messages a stage received (direction=in) or delivered (direction=out)")
+                .build(),
+            rows: m
+                .u64_counter("streamrl.stage.rows")
+                .with_unit("{row}")
+                .with_description("Rows a stage received or delivered")
+                .build(),
+            duration: seconds(
+                "streamrl.stage.duration",
+                "Time a stage spent processing one input message",
+            ),
+            errors: m
+                .u64_counter("streamrl.stage.errors")
+                .with_unit("{error}")
+                .with_description("Stage errors (each retry counts)")
+                .build(),
+            dead_letters: m
+                .u64_counter("streamrl.stage.dead_letters")
+                .with_unit("{message}")
+                .with_description("Messages sent to the dead-letter topic")
+                .build(),
+            lag: m
+                .u64_gauge("streamrl.stage.lag")
+                .with_unit("{record}")
+                .with_description("Input records the stage's consumer group has not committed")
+                .build(),
+            rollout_tokens: m
+                .u64_counter("streamrl.rollout.tokens")
+                .with_unit("{token}")
+                .with_description("Completion tokens generated")
+                .build(),
+            weight_sync: seconds(
+                "streamrl.rollout.weight_sync",
+                "Time from a version's publication on policy to this replica serving it",
+            ),
+            executions: m
+                .u64_counter("streamrl.sandbox.executions")
+                .with_unit("{execution}")
+                .with_description("Sandbox executions by outcome status")
+                .build(),
+            execution_duration: seconds("streamrl.sandbox.duration", "Wall time of one sandbox execution"),
+            samples: m
+                .u64_counter("streamrl.train.samples")
+                .with_unit("{sample}")
+                .with_description(
+                    "Samples the trainer received, by outcome (trained, stale, filtered, duplicate, superseded)",
+                )
+                .build(),
+            staleness: m
+                .u64_histogram("streamrl.train.staleness")
+                .with_unit("{version}")
+                .with_description(
+                    "Policy versions between a sample's oldest sampling policy and the step that consumed it",
+                )
+                .with_boundaries(vec![0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0])
+                .build(),
+            train_tokens: m
+                .u64_counter("streamrl.train.tokens")
+                .with_unit("{token}")
+                .with_description("Tokens the trainer ran forward and backward")
+                .build(),
+            step_duration: seconds("streamrl.train.step.duration", "Wall time of one optimizer step"),
+            value: m
+                .f64_gauge("streamrl.stage.value")
+                .with_description("The latest value of each metric row a stage writes on the metrics topic")
+                .build(),
+        }
+    })
+}
+
+/// One stage replica's handle on the instruments: its attributes, bound once.
+#[derive(Debug, Clone)]
+pub struct Instruments {
+    attrs: [KeyValue; 2],
+}
+
+impl Instruments {
+    /// The instruments of replica `replica` of stage `stage`.
+    pub fn new(stage: &str, replica: u32) -> Self {
+        Instruments {
+            attrs: [
+                KeyValue::new("stage", stage.to_string()),
+                KeyValue::new("replica", i64::from(replica)),
+            ],
+        }
+    }
+
+    fn with(&self, key: &'static str, value: &str) -> [KeyValue; 3] {
+        let [a, b] = self.attrs.clone();
+        [a, b, KeyValue::new(key, value.to_string())]
+    }
+
+    /// An input message of `rows` rows was received.
+    pub fn received(&self, rows: u64) {
+        let a = self.with("direction", "in");
+        all().messages.add(1, &a);
+        all().rows.add(rows, &a);
+    }
+
+    /// `messages` output messages holding `rows` rows were delivered.
+    pub fn delivered(&self, messages: u64, rows: u64) {
+        let a = self.with("direction", "out");
+        all().messages.add(messages, &a);
+        all().rows.add(rows, &a);
+    }
+
+    /// One input took `d` to process.
+    pub fn processed(&self, d: Duration) {
+        all().duration.record(d.as_secs_f64(), &self.attrs);
+    }
+
+    /// A stage call failed (it may be retried).
+    pub fn error(&self) {
+        all().errors.add(1, &self.attrs);
+    }
+
+    /// A message went to the dead-letter topic.
+    pub fn dead_lettered(&self) {
+        all().dead_letters.add(1, &self.attrs);
+    }
+
+    /// The input records not committed yet.
+    pub fn lag(&self, records: u64) {
+        all().lag.record(records, &self.attrs);
+    }
+
+    /// `n` completion tokens were generated.
+    pub fn generated(&self, n: u64) {
+        all().rollout_tokens.add(n, &self.attrs);
+    }
+
+    /// A new version was serving `d` after its publication.
+    pub fn weight_sync(&self, d: Duration) {
+        all().weight_sync.record(d.as_secs_f64(), &self.attrs);
+    }
+
+    /// One sandbox execution ended with `status` after `d`.
+    pub fn sandbox_execution(&self, status: &str, d: Duration) {
+        let a = self.with("status", status);
+        all().executions.add(1, &a);
+        all().execution_duration.record(d.as_secs_f64(), &a);
+    }
+
+    /// A sample reached the trainer and met `outcome`.
+    pub fn sample(&self, outcome: &str) {
+        all().samples.add(1, &self.with("outcome", outcome));
+    }
+
+    /// A sample consumed by a step was `versions` versions stale.
+    pub fn staleness(&self, versions: u64) {
+        all().staleness.record(versions, &self.attrs);
+    }
+
+    /// One optimizer step over `tokens` tokens took `d`.
+    pub fn train_step(&self, tokens: u64, d: Duration) {
+        all().train_tokens.add(tokens, &self.attrs);
+        all().step_duration.record(d.as_secs_f64(), &self.attrs);
+    }
+
+    /// The latest value of metric row `name` (bridged from the `metrics` topic).
+    pub fn value(&self, name: &str, v: f64) {
+        if v.is_finite() {
+            all().value.record(v, &self.with("name", name));
+        }
+    }
+}
