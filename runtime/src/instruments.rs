@@ -5,7 +5,10 @@
 //! (every `OTEL_METRIC_EXPORT_INTERVAL` ms, 60 s by default, and at exit); otherwise every
 //! instrument is a no-op and costs a branch. The names follow OpenTelemetry's conventions
 //! (dotted, units in `unit`, not in the name); rates such as tokens/s are the backend's
-//! `rate()` over the counters.
+//! `rate()` over the counters. The stage counters (messages, rows, errors, dead letters)
+//! are observable: each export reads them from the replica's
+//! [`StageMetrics`](crate::runner::StageMetrics), the one count that `streamrl run`'s table
+//! and `streamrl stage --metrics-port` also show.
 //!
 //! | instrument | kind | unit | attributes |
 //! |---|---|---|---|
@@ -32,19 +35,25 @@
 //! m.sandbox_execution("ok", std::time::Duration::from_millis(12));
 //! ```
 
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Gauge, Histogram, Meter};
 
+use crate::runner::StageMetrics;
+
+/// The replicas whose counters the observable instruments read, with their attributes.
+type Replicas = Arc<Mutex<Vec<([KeyValue; 2], Arc<StageMetrics>)>>>;
+
+/// A replica's counters for one observable instrument, each with its `direction`, if any.
+type Reader = fn(&StageMetrics) -> Vec<(Option<&'static str>, &AtomicU64)>;
+
 /// The instruments, built once from the global meter (after [`crate::telemetry::init`]).
 struct All {
-    messages: Counter<u64>,
-    rows: Counter<u64>,
+    replicas: Replicas,
     duration: Histogram<f64>,
-    errors: Counter<u64>,
-    dead_letters: Counter<u64>,
     lag: Gauge<u64>,
     rollout_tokens: Counter<u64>,
     weight_sync: Histogram<f64>,
@@ -73,31 +82,57 @@ fn all() -> &'static All {
                 .with_boundaries(SECONDS.to_vec())
                 .build()
         };
+        let replicas: Replicas = Arc::default();
+        // An observable counter over the registered replicas' counters: `read` gives each
+        // replica's values, with the `direction` they are for, if any.
+        let observed = |name: &'static str, unit: &'static str, what: &'static str, read: Reader| {
+            let replicas = replicas.clone();
+            m.u64_observable_counter(name)
+                .with_unit(unit)
+                .with_description(what)
+                .with_callback(move |o| {
+                    for (attrs, metrics) in replicas.lock().unwrap().iter() {
+                        for (direction, v) in read(metrics) {
+                            let v = v.load(Ordering::Relaxed);
+                            match direction {
+                                Some(d) => o.observe(v, &with(attrs, "direction", d)),
+                                None => o.observe(v, attrs),
+                            }
+                        }
+                    }
+                })
+                .build();
+        };
+        observed(
+            "streamrl.stage.messages",
+            "{message}",
+            "Messages a stage received (direction=in) or delivered (direction=out)",
+            |m| vec![(Some("in"), &m.in_messages), (Some("out"), &m.out_messages)],
+        );
+        observed(
+            "streamrl.stage.rows",
+            "{row}",
+            "Rows a stage received or delivered",
+            |m| vec![(Some("in"), &m.in_rows), (Some("out"), &m.out_rows)],
+        );
+        observed(
+            "streamrl.stage.errors",
+            "{error}",
+            "Stage errors (each retry counts)",
+            |m| vec![(None, &m.errors)],
+        );
+        observed(
+            "streamrl.stage.dead_letters",
+            "{message}",
+            "Messages sent to the dead-letter topic",
+            |m| vec![(None, &m.dead_lettered)],
+        );
         All {
-            messages: m
-                .u64_counter("streamrl.stage.messages")
-                .with_unit("{message}")
-                .with_description("Messages a stage received (direction=in) or delivered (direction=out)")
-                .build(),
-            rows: m
-                .u64_counter("streamrl.stage.rows")
-                .with_unit("{row}")
-                .with_description("Rows a stage received or delivered")
-                .build(),
+            replicas,
             duration: seconds(
                 "streamrl.stage.duration",
                 "Time a stage spent processing one input message",
             ),
-            errors: m
-                .u64_counter("streamrl.stage.errors")
-                .with_unit("{error}")
-                .with_description("Stage errors (each retry counts)")
-                .build(),
-            dead_letters: m
-                .u64_counter("streamrl.stage.dead_letters")
-                .with_unit("{message}")
-                .with_description("Messages sent to the dead-letter topic")
-                .build(),
             lag: m
                 .u64_gauge("streamrl.stage.lag")
                 .with_unit("{record}")
@@ -147,6 +182,11 @@ fn all() -> &'static All {
     })
 }
 
+fn with(attrs: &[KeyValue; 2], key: &'static str, value: &str) -> [KeyValue; 3] {
+    let [a, b] = attrs.clone();
+    [a, b, KeyValue::new(key, value.to_string())]
+}
+
 /// One stage replica's handle on the instruments: its attributes, bound once.
 #[derive(Debug, Clone)]
 pub struct Instruments {
@@ -165,37 +205,20 @@ impl Instruments {
     }
 
     fn with(&self, key: &'static str, value: &str) -> [KeyValue; 3] {
-        let [a, b] = self.attrs.clone();
-        [a, b, KeyValue::new(key, value.to_string())]
+        with(&self.attrs, key, value)
     }
 
-    /// An input message of `rows` rows was received.
-    pub fn received(&self, rows: u64) {
-        let a = self.with("direction", "in");
-        all().messages.add(1, &a);
-        all().rows.add(rows, &a);
-    }
-
-    /// `messages` output messages holding `rows` rows were delivered.
-    pub fn delivered(&self, messages: u64, rows: u64) {
-        let a = self.with("direction", "out");
-        all().messages.add(messages, &a);
-        all().rows.add(rows, &a);
+    /// Exports the replica's counters (`metrics`) through the observable stage counters,
+    /// from now until the process exits (a replica registered again replaces its entry).
+    pub fn observe(&self, metrics: &Arc<StageMetrics>) {
+        let mut replicas = all().replicas.lock().unwrap();
+        replicas.retain(|(a, _)| a != &self.attrs);
+        replicas.push((self.attrs.clone(), metrics.clone()));
     }
 
     /// One input took `d` to process.
     pub fn processed(&self, d: Duration) {
         all().duration.record(d.as_secs_f64(), &self.attrs);
-    }
-
-    /// A stage call failed (it may be retried).
-    pub fn error(&self) {
-        all().errors.add(1, &self.attrs);
-    }
-
-    /// A message went to the dead-letter topic.
-    pub fn dead_lettered(&self) {
-        all().dead_letters.add(1, &self.attrs);
     }
 
     /// The input records not committed yet.

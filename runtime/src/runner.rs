@@ -278,7 +278,10 @@ pub async fn run_stage(
         groups: GroupTraces::default(),
         instruments: crate::instruments::Instruments::new(&cfg.stage, cfg.replica),
     };
-    // The input lag as a metric, sampled while the replica runs (exported metrics only).
+    // Exported metrics only: the replica's counters, and its input lag sampled while it runs.
+    if crate::telemetry::metrics_enabled() {
+        runner.instruments.observe(&runner.metrics);
+    }
     let lag_sampler = (crate::telemetry::metrics_enabled() && !cfg.inputs.is_empty()).then(|| {
         let (bus, cfg, instruments) = (bus.clone(), cfg.clone(), runner.instruments.clone());
         tokio::spawn(async move {
@@ -668,7 +671,6 @@ impl Runner {
                 Ok(()) => return Ok(()),
                 Err(e) => {
                     self.metrics.errors.fetch_add(1, Ordering::Relaxed);
-                    self.instruments.error();
                     // Outputs of a failed attempt are discarded: a retry emits them again.
                     out.take();
                     out.take_flags();
@@ -739,7 +741,6 @@ impl Runner {
         self.metrics
             .in_rows
             .fetch_add(batch.num_rows() as u64, Ordering::Relaxed);
-        self.instruments.received(batch.num_rows() as u64);
         span.record("rows", batch.num_rows() as i64);
         let groups = GroupTraces::groups_of(&batch);
         if !groups.is_empty() {
@@ -858,7 +859,6 @@ impl Runner {
         try_join_all(pending.into_iter().map(|(f, _)| f)).await?;
         self.metrics.out_messages.fetch_add(n, Ordering::Relaxed);
         self.metrics.out_rows.fetch_add(rows, Ordering::Relaxed);
-        self.instruments.delivered(n, rows);
         Ok(())
     }
 
@@ -897,7 +897,6 @@ impl Runner {
         record.key = msg.key.clone();
         self.producer.send(&self.cfg.dead_letter, record).await?.await?;
         self.metrics.dead_lettered.fetch_add(1, Ordering::Relaxed);
-        self.instruments.dead_lettered();
         Ok(())
     }
 }

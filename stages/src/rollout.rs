@@ -172,6 +172,7 @@ pub struct RolloutStage {
     load_failures: u64,
     /// Downloads `http://` policy versions (a trainer serving its checkpoints).
     http: reqwest::Client,
+    instruments: streamrl_runtime::instruments::Instruments,
 }
 
 impl std::fmt::Debug for RolloutStage {
@@ -248,6 +249,7 @@ impl RolloutStage {
             )
         };
         Ok(RolloutStage {
+            instruments: ctx.instruments(),
             cfg,
             ctx,
             backend,
@@ -489,8 +491,7 @@ impl RolloutStage {
         }
         let tok = self.tokenizer.clone();
         let mut rows_out = Vec::with_capacity(done.len());
-        self.ctx
-            .instruments()
+        self.instruments
             .generated(done.iter().map(|o| o.tokens.len() as u64).sum());
         for o in done {
             let Some(pending) = self.requests.remove(&o.id) else {
@@ -628,8 +629,7 @@ impl RolloutStage {
             Ok(()) => {
                 tracing::debug!(stage = %self.ctx.instance(), version = p.version, ms = t0.elapsed().as_millis() as u64, "loaded policy");
                 let sync_ms = (crate::now_ms() - p.created_at).max(0);
-                self.ctx
-                    .instruments()
+                self.instruments
                     .weight_sync(std::time::Duration::from_millis(sync_ms as u64));
                 if let Some((t, b)) = self.ctx.metrics(
                     p.step,

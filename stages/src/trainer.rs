@@ -458,7 +458,8 @@ impl TrainerStage {
         self.version.saturating_sub(self.cfg.dedup_window)
     }
 
-    /// Lineage rows for `version`.
+    /// Lineage rows for `version`: every outcome a sample meets passes here, and is counted
+    /// in `streamrl.train.samples`.
     fn lineage_rows<'a>(
         &self,
         version: u64,
@@ -466,6 +467,7 @@ impl TrainerStage {
     ) -> Vec<TrainedRow> {
         let now = now_ms();
         rows.into_iter()
+            .inspect(|(_, o)| self.instruments.sample(o.name()))
             .map(|(s, o)| TrainedRow {
                 run_id: self.ctx.run_id.clone(),
                 version: version as u32,
@@ -539,17 +541,14 @@ impl TrainerStage {
             if !s.loss_mask.iter().any(|m| *m) {
                 filtered_samples += 1;
                 outcomes.push((s, Outcome::Filtered));
-                self.instruments.sample(Outcome::Filtered.name());
                 continue;
             }
             if oldest < oldest_ok {
                 stale += 1;
                 outcomes.push((s, Outcome::Stale));
-                self.instruments.sample(Outcome::Stale.name());
                 continue;
             }
             outcomes.push((s, Outcome::Trained));
-            self.instruments.sample(Outcome::Trained.name());
             train.push(TrainSample {
                 prompt: s.prompt_token_ids.clone(),
                 completion: s.completion_token_ids.clone(),
@@ -834,9 +833,6 @@ impl Stage for TrainerStage {
                 .entry(s.group_id.clone())
                 .or_default()
                 .push(s);
-        }
-        for (_, o) in &dropped {
-            self.instruments.sample(o.name());
         }
         // One message is one group: held under its id until the step that trains it is saved.
         if let Some(g) = kept {
