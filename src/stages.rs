@@ -17,28 +17,6 @@ use streamrl_stages::source::{SourceConfig, SourceStage};
 use streamrl_stages::trainer::{TrainerConfig, TrainerStage};
 use streamrl_stages::{Ctx, parse_config};
 
-/// Whether this build has an implementation of `kind`.
-pub fn is_built(kind: StageKind) -> bool {
-    match kind {
-        StageKind::Archive
-        | StageKind::Source
-        | StageKind::Rollout
-        | StageKind::Sandbox
-        | StageKind::Reward
-        | StageKind::Mask
-        | StageKind::Trainer => true,
-    }
-}
-
-/// Stage names of the topology whose kind this build lacks.
-pub fn unbuilt(t: &Topology) -> Vec<String> {
-    t.stages
-        .iter()
-        .filter(|(_, s)| !is_built(s.kind))
-        .map(|(n, s)| format!("{n} ({})", s.kind))
-        .collect()
-}
-
 fn problems<T: serde::de::DeserializeOwned + Default>(
     config: &Value,
     check: impl Fn(&T) -> Vec<String>,

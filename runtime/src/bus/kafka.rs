@@ -3,6 +3,14 @@
 //!
 //! * Producers are idempotent (`enable.idempotence=true`, `acks=all`); the partition is
 //!   computed here with the same murmur2 hash as the memory bus and the Java client.
+//!   `idempotence=false` turns that off (retries then keep order with one request in
+//!   flight per broker, and may write a record twice): for a broker whose producer
+//!   sequence bookkeeping is not atomic with its log. tansu 0.6's `s3://` engine is one:
+//!   it records a batch's sequence number and advances the partition's high watermark
+//!   before it writes the batch, so a broker killed between the two answers the
+//!   producer's retry with `DUPLICATE_SEQUENCE_NUMBER`, which an idempotent producer must
+//!   take as success — an acknowledged record is lost. Without idempotence the retry is
+//!   written again; the pipeline reconciles duplicates (see the README's guarantees).
 //! * Consumers use `enable.auto.offset.store=false`: an offset is stored only when the
 //!   message is acknowledged (after its outputs were delivered) and only up to the first
 //!   unacknowledged offset; stored offsets are auto-committed every second, committed
@@ -30,7 +38,7 @@
 //!
 //! URL parameters: `queue_kbytes` (producer in-flight bound, default 65536),
 //! `session_timeout_ms` (default 6000), `max_message_bytes` (default 16 MiB),
-//! `static_membership` (default false).
+//! `static_membership` (default false), `idempotence` (default true).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -72,6 +80,7 @@ struct Options {
     session_timeout_ms: u64,
     max_message_bytes: usize,
     static_membership: bool,
+    idempotence: bool,
 }
 
 /// A Kafka cluster.
@@ -106,6 +115,7 @@ impl KafkaBus {
             session_timeout_ms: 6_000,
             max_message_bytes: 16 << 20,
             static_membership: false,
+            idempotence: true,
         };
         for (k, v) in params {
             let num = |v: &str| -> Result<u64> {
@@ -114,21 +124,23 @@ impl KafkaBus {
                     reason: format!("`{k}={v}` is not a number"),
                 })
             };
+            let flag = |v: &str| -> Result<bool> {
+                v.parse().map_err(|_| Error::InvalidUrl {
+                    url: url.into(),
+                    reason: format!("`{k}={v}` is not true or false"),
+                })
+            };
             match k.as_str() {
                 "queue_kbytes" => opts.queue_kbytes = num(&v)?,
                 "session_timeout_ms" => opts.session_timeout_ms = num(&v)?,
                 "max_message_bytes" => opts.max_message_bytes = num(&v)? as usize,
-                "static_membership" => {
-                    opts.static_membership = v.parse().map_err(|_| Error::InvalidUrl {
-                        url: url.into(),
-                        reason: format!("`static_membership={v}` is not true or false"),
-                    })?
-                }
+                "static_membership" => opts.static_membership = flag(&v)?,
+                "idempotence" => opts.idempotence = flag(&v)?,
                 other => {
                     return Err(Error::InvalidUrl {
                         url: url.into(),
                         reason: format!(
-                            "unknown parameter `{other}` (known: queue_kbytes, session_timeout_ms, max_message_bytes, static_membership)"
+                            "unknown parameter `{other}` (known: queue_kbytes, session_timeout_ms, max_message_bytes, static_membership, idempotence)"
                         ),
                     });
                 }
@@ -289,11 +301,16 @@ impl Bus for KafkaBus {
     }
 
     async fn producer(&self, client_id: &str) -> Result<Arc<dyn Producer>> {
-        let producer: FutureProducer = ClientConfig::new()
-            .set("bootstrap.servers", &self.opts.brokers)
+        let mut cfg = ClientConfig::new();
+        cfg.set("bootstrap.servers", &self.opts.brokers)
             .set("client.id", client_id)
-            .set("enable.idempotence", "true")
-            .set("acks", "all")
+            .set("enable.idempotence", self.opts.idempotence.to_string())
+            .set("acks", "all");
+        if !self.opts.idempotence {
+            // Without sequence numbers only one request in flight keeps retries in order.
+            cfg.set("max.in.flight.requests.per.connection", "1");
+        }
+        let producer: FutureProducer = cfg
             .set("linger.ms", "5")
             .set("compression.type", "none") // payloads are already zstd/lz4 Arrow IPC
             .set(

@@ -11,7 +11,9 @@ use arrow::datatypes::{DataType, Float64Type};
 use clap::Args;
 use streamrl_archive::Sql;
 
-use crate::plot::{Scene, Shape};
+pub mod plot;
+
+use self::plot::{Scene, Shape};
 
 /// `streamrl report` arguments.
 #[derive(Args, Debug)]
@@ -252,6 +254,13 @@ fn tick(v: f64) -> String {
 
 fn xml(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+/// `streamrl report`: writes the page and says where.
+pub async fn run(a: ReportArgs) -> Result<()> {
+    let page = report(a).await?;
+    println!("wrote {}", page.display());
+    Ok(())
 }
 
 /// Writes the report; returns the HTML page's path.

@@ -418,5 +418,5 @@ pub async fn run(cmd: SandboxCmd) -> Result<()> {
         .await
         .with_context(|| format!("listening on {}", a.listen))?;
     eprintln!("sandbox gateway on http://{}", listener.local_addr()?);
-    crate::serve::until_signalled(listener, app).await
+    super::serve::until_signalled(listener, app).await
 }

@@ -31,7 +31,7 @@ impl EnvArgs {
     fn build(&self) -> Result<Box<dyn Environment>> {
         let mut entry = serde_yaml::Value::Null;
         if self.topology.exists() {
-            let root = crate::read_document(&self.topology)?;
+            let root = crate::cli::read_document(&self.topology)?;
             if let Some(e) = root.get("envs").and_then(|e| e.get(&self.env)) {
                 entry = e.clone();
             }
@@ -96,7 +96,7 @@ fn tokenized(
 /// Runs SFT.
 pub fn sft(a: SftArgs) -> Result<()> {
     let Some(out) = a.out.clone() else {
-        let root = crate::read_document(&a.env.topology).context("no --out given")?;
+        let root = crate::cli::read_document(&a.env.topology).context("no --out given")?;
         let spec = root.get("sft").cloned().unwrap_or_default();
         if spec.is_null() {
             bail!("no --out given and {} has no `sft:` section", a.env.topology.display());

@@ -81,7 +81,7 @@ pub async fn run(steps: u64, alpha: f64) -> Result<()> {
                 e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ")
             )
         })?;
-        let (summary, _) = crate::run_all(t, true).await?;
+        let (summary, _) = crate::cli::pipeline::run_all(t, true).await?;
         let sps = summary.seconds_per_step();
         per_step.push(sps);
         println!(

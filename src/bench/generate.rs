@@ -250,9 +250,9 @@ fn recompute_tokens_per_sec(model: &Transformer, prompts: &[Vec<u32>], tokens: u
 }
 
 /// Where torch and transformers can be imported from (see
-/// [`crate::bench_sql::python_importing`]).
+/// [`super::sql::python_importing`]).
 pub(crate) fn torch_python() -> Option<Option<PathBuf>> {
-    crate::bench_sql::python_importing("torch, transformers")
+    super::sql::python_importing("torch, transformers")
 }
 
 const HF_SCRIPT: &str = r#"

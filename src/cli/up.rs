@@ -7,7 +7,8 @@
 //! `<run_dir>/logs/<stage>-<replica>.log`. A process that exits with status 0 has seen the
 //! end of the run and is not restarted; one that dies otherwise (a crash, a kill, a broker
 //! it could not reach) is restarted after a backoff (0.2 s doubling to 10 s, reset once it
-//! has run for 30 s), with the cause logged. `up` exits 0 once every replica has ended
+//! has run for 30 s; a replica SIGKILLed from outside always comes back after 0.2 s),
+//! with the cause logged. `up` exits 0 once every replica has ended
 //! with the run, and gives up (stopping the others) when one replica fails by itself 5
 //! times in a row within seconds of starting (SIGKILLs from outside are always restarted). The current process ids are kept in
 //! `<run_dir>/up.json` (`{"supervisor": pid, "replicas": {"rollout-0": pid, ...}}`).
@@ -35,6 +36,40 @@ const HEALTHY_AFTER: Duration = Duration::from_secs(30);
 const MAX_QUICK_FAILURES: u32 = 5;
 /// A failure within this long of starting counts as quick.
 const QUICK: Duration = Duration::from_secs(5);
+
+/// `streamrl up`.
+#[derive(clap::Args)]
+pub struct UpArgs {
+    /// Topology file.
+    #[arg(short, long, default_value = "topology.yaml")]
+    topology: PathBuf,
+    /// Bus URL (overrides the topology's; must be shared by processes: kafka://).
+    #[arg(long, env = "STREAMRL_BUS")]
+    bus: Option<String>,
+}
+
+/// `streamrl down`.
+#[derive(clap::Args)]
+pub struct DownArgs {
+    /// Topology file (its run_dir locates the running `up`).
+    #[arg(short, long, default_value = "topology.yaml")]
+    topology: PathBuf,
+}
+
+/// `streamrl up`: the SFT warm start when the topology has one and its output is missing,
+/// then [`up`].
+pub async fn run(a: UpArgs) -> Result<()> {
+    let t = super::load_on(&a.topology, a.bus)?;
+    let sft = t.sft.clone();
+    tokio::task::block_in_place(|| super::train::sft_from_topology(&sft, &a.topology))?;
+    let url = t.bus.clone();
+    up(&t, &a.topology, &url).await
+}
+
+/// `streamrl down`: [`down`] for the topology's run directory.
+pub async fn stop(a: DownArgs) -> Result<()> {
+    down(&super::load(&a.topology)?.run_dir).await
+}
 
 /// What `up.json` records.
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -135,7 +170,7 @@ pub async fn up(t: &Topology, topology: &Path, bus_url: &str) -> Result<()> {
             .arg("--topology")
             .arg(topology)
             // The same topology as this process's: its `--set` overrides too.
-            .env("STREAMRL_SET", crate::overrides().join("\n"))
+            .env("STREAMRL_SET", super::overrides().join("\n"))
             .stdin(Stdio::null())
             .stdout(file)
             .stderr(err)
@@ -166,14 +201,14 @@ pub async fn up(t: &Topology, topology: &Path, bus_url: &str) -> Result<()> {
                     eprintln!("up: {} finished (the run ended)", r.instance());
                     continue;
                 }
-                if ran >= HEALTHY_AFTER {
+                // Only a process that fails by itself, soon after starting, counts towards
+                // giving up (a configuration or environment problem a restart will not fix)
+                // or slows its own restarts down; one killed from outside (SIGKILL: an
+                // operator, the OOM killer) always comes back at once.
+                let killed = std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL);
+                if ran >= HEALTHY_AFTER || killed {
                     r.backoff = FIRST_BACKOFF;
                 }
-                // Only a process that fails by itself, soon after starting, counts towards
-                // giving up (a configuration or environment problem a restart will not fix);
-                // one killed from outside (SIGKILL: an operator, the OOM killer) always
-                // comes back.
-                let killed = std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL);
                 r.quick_failures = if ran < QUICK && !killed {
                     r.quick_failures + 1
                 } else {
@@ -195,7 +230,9 @@ pub async fn up(t: &Topology, topology: &Path, bus_url: &str) -> Result<()> {
                     r.backoff
                 );
                 r.restart_at = Some(Instant::now() + r.backoff);
-                r.backoff = (r.backoff * 2).min(MAX_BACKOFF);
+                if !killed {
+                    r.backoff = (r.backoff * 2).min(MAX_BACKOFF);
+                }
             }
             if r.child.is_none()
                 && !r.finished

@@ -99,7 +99,7 @@ fn step(
 fn time_shape(s: &Shape, batch: &Packed, steps: usize, naive: bool) -> Result<(f64, usize)> {
     let mut m = checkpoint::init(&s.hf, &Device::Cpu)?;
     m.model.set_fused_ops(!naive);
-    let params = crate::model_cmd::parameters(&m.vars);
+    let params = crate::cli::model::parameters(&m.vars);
     let cfg = OptimizerConfig {
         max_grad_norm: 0.0,
         ..Default::default()
@@ -216,7 +216,7 @@ for spec in map(json.loads, sys.argv[2:]):
 /// PyTorch's step time (ms) at every shape, run now in a python3 that imports torch and
 /// transformers; `None` when there is none.
 fn torch_step_ms(shapes: &[Shape], steps: usize) -> Result<Option<Vec<f64>>> {
-    let Some(pythonpath) = crate::bench_generate::torch_python() else {
+    let Some(pythonpath) = super::generate::torch_python() else {
         return Ok(None);
     };
     let specs: Vec<String> = shapes
@@ -233,7 +233,7 @@ fn torch_step_ms(shapes: &[Shape], steps: usize) -> Result<Option<Vec<f64>>> {
         .collect();
     let mut args = vec![steps.max(1).to_string()];
     args.extend(specs);
-    let ms = crate::bench_generate::run_python_script(
+    let ms = super::generate::run_python_script(
         "the torch training script",
         TORCH_SCRIPT,
         &args,

@@ -1,0 +1,153 @@
+//! `streamrl bench ...`: throughput tables with a baseline measured in the same process.
+
+mod async_level;
+mod bus;
+mod generate;
+mod sandbox;
+mod scale;
+mod sql;
+mod train;
+mod weights;
+
+use anyhow::Result;
+use clap::Subcommand;
+
+#[derive(Subcommand)]
+pub enum Which {
+    /// Training tokens/s (forward + backward + optimizer), single-threaded, at three shapes:
+    /// streamrl (fused ops, fused AdamW) vs the same model op by op with candle's stock
+    /// AdamW, and vs PyTorch on the same shapes when a python3 imports torch.
+    Train {
+        /// Timed steps per shape (after one warm-up step).
+        #[arg(long, default_value_t = 3)]
+        steps: usize,
+        /// Skip the SmolLM2-135M shape (≈10 s per step).
+        #[arg(long)]
+        skip_large: bool,
+        /// Internal: run one step of the memory probe in this process (`on` or `off` for
+        /// activation checkpointing) and print its peak RSS.
+        #[arg(long, hide = true)]
+        memory_probe: Option<String>,
+    },
+    /// Decode tokens/s of the KV-cache sampler at batch 1 and 32 (static batches), tiny and
+    /// small presets, single-threaded.
+    Generate {
+        /// New tokens per sequence.
+        #[arg(long, default_value_t = 64)]
+        tokens: usize,
+    },
+    /// Wall time per RL step through the whole pipeline with max_async_level 0 vs 2, on a
+    /// workload whose generation lengths have a heavy tail.
+    Async {
+        /// Trainer steps per run.
+        #[arg(long, default_value_t = 20)]
+        steps: u64,
+        /// Pareto shape of the per-group max_tokens (smaller: heavier tail).
+        #[arg(long, default_value_t = 1.2)]
+        alpha: f64,
+    },
+    /// Exec latency p50/p99 and execs/s of a small Python command through the warm
+    /// sandbox pool vs a bare fork+exec of the same command.
+    Sandbox {
+        /// Execs per row.
+        #[arg(long, default_value_t = 256)]
+        n: usize,
+        /// Concurrencies to measure (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "1,64")]
+        concurrency: Vec<usize>,
+        /// Sandboxes kept warm.
+        #[arg(long, default_value_t = 64)]
+        pool_size: usize,
+        /// The interpreter (the same path inside the sandbox and on the host).
+        #[arg(long, default_value = "/usr/bin/python3")]
+        python: String,
+        /// Alternating rounds per concurrency (each column reports the median; at
+        /// concurrency 64 one round's p50 moves with the VM's speed by more than the goal).
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+    },
+    /// `streamrl query` (whole processes) vs DuckDB on a run's archive: common queries,
+    /// median wall time each, ratio and geometric mean.
+    Sql {
+        /// Run directory holding `archive/`.
+        #[arg(long, default_value = "runs/demo")]
+        run_dir: std::path::PathBuf,
+        /// Runs per query and engine (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// The streamrl binary to time (default: this one; another build for before/after).
+        #[arg(long)]
+        exe: Option<std::path::PathBuf>,
+    },
+    /// Weight-sync time (publication → every replica serving) over HTTP from the trainer's
+    /// checkpoint server vs file:// on a shared disk; tiny and small, 1 and 4 replicas.
+    Weights {
+        /// Versions published per row (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        versions: usize,
+    },
+    /// Rollouts/s through the sandbox stage (the `code` environment's bottleneck) at 1, 2
+    /// and 4 replica processes on a Kafka broker, each rollout checked executed once.
+    Scale {
+        /// The Kafka broker (e.g. kafka://127.0.0.1:9092).
+        #[arg(long)]
+        bus: String,
+        /// Rollouts per round (groups of 4).
+        #[arg(long, default_value_t = 256)]
+        rollouts: usize,
+        /// Replica counts, one round each (comma-separated; the first is the baseline).
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        replicas: Vec<u32>,
+        /// Executions in flight per replica.
+        #[arg(long, default_value_t = 1)]
+        concurrency: usize,
+    },
+    /// Memory bus rows/s (vs an mpsc channel) and, with --kafka, Kafka MB/s (vs raw rdkafka).
+    Bus {
+        /// Kafka URL for the Kafka half (e.g. kafka://127.0.0.1:9092); omitted: memory only.
+        #[arg(long)]
+        kafka: Option<String>,
+        /// Rows per message in the memory run.
+        #[arg(long, default_value_t = 1024)]
+        rows_per_message: usize,
+        /// Messages in the memory run.
+        #[arg(long, default_value_t = 2000)]
+        messages: usize,
+        /// Total payload MiB in the Kafka run.
+        #[arg(long, default_value_t = 256)]
+        kafka_mib: usize,
+    },
+}
+
+pub async fn run(which: Which) -> Result<()> {
+    match which {
+        Which::Train {
+            memory_probe: Some(mode),
+            ..
+        } => train::memory_probe(mode == "on"),
+        Which::Train { steps, skip_large, .. } => train::run(steps, skip_large),
+        Which::Async { steps, alpha } => async_level::run(steps, alpha).await,
+        Which::Sandbox {
+            n,
+            concurrency,
+            pool_size,
+            python,
+            rounds,
+        } => sandbox::run(n, concurrency, pool_size, python, rounds.max(1)),
+        Which::Generate { tokens } => generate::generate(tokens),
+        Which::Weights { versions } => weights::run(versions.max(1)),
+        Which::Scale {
+            bus,
+            rollouts,
+            replicas,
+            concurrency,
+        } => scale::run(&bus, rollouts, &replicas, concurrency.max(1)).await,
+        Which::Sql { run_dir, rounds, exe } => sql::run(&run_dir, rounds.max(1), exe),
+        Which::Bus {
+            kafka,
+            rows_per_message,
+            messages,
+            kafka_mib,
+        } => bus::run(kafka, rows_per_message, messages, kafka_mib).await,
+    }
+}

@@ -1,0 +1,90 @@
+//! One module per verb of the `streamrl` command line (the `Command` enum in `main.rs`
+//! names each), plus what several of them share: reading the topology file with the
+//! invocation's `--set` overrides, and printing a replica's counters.
+
+pub mod archive;
+pub mod model;
+pub mod pipeline;
+pub mod sandbox;
+pub mod serve;
+pub mod train;
+pub mod up;
+
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+use anyhow::Result;
+use streamrl_runtime::runner::StageMetrics;
+use streamrl_runtime::topology::Topology;
+
+/// The `--set` overrides of this invocation, applied to every topology it reads.
+static OVERRIDES: OnceLock<Vec<String>> = OnceLock::new();
+
+/// Records this invocation's `--set` overrides (once, after the command line is parsed).
+pub fn set_overrides(set: Vec<String>) {
+    OVERRIDES.set(set).expect("set once");
+}
+
+/// [`OVERRIDES`] (none before the command line is parsed).
+pub fn overrides() -> &'static [String] {
+    OVERRIDES.get().map(Vec::as_slice).unwrap_or_default()
+}
+
+/// Every problem of the topology file at `path`, as one error.
+fn problems(path: &Path, errs: Vec<String>) -> anyhow::Error {
+    let mut msg = format!("{} has {} problem(s):", path.display(), errs.len());
+    for e in &errs {
+        msg.push_str(&format!("\n  {e}"));
+    }
+    anyhow::anyhow!(msg)
+}
+
+/// The topology document at `path` with this invocation's `--set` overrides, unvalidated
+/// (for commands that read one section of it).
+pub fn read_document(path: &Path) -> Result<serde_yaml::Value> {
+    streamrl_runtime::topology::read_document(path, overrides())
+        .map_err(|errs| problems(path, errs.iter().map(ToString::to_string).collect()))
+}
+
+/// The topology at `path`, validated (stage configs and environments included).
+pub fn load(path: &Path) -> Result<Topology> {
+    let report = |errs: Vec<String>| problems(path, errs);
+    let t = Topology::load_with(path, overrides(), &crate::stages::check_config)
+        .map_err(|errs| report(errs.iter().map(ToString::to_string).collect()))?;
+    let env_errs = crate::stages::check_envs(&t);
+    if !env_errs.is_empty() {
+        return Err(report(env_errs));
+    }
+    Ok(t)
+}
+
+/// [`load`], with the bus URL overridden when one is given.
+pub fn load_on(path: &Path, bus: Option<String>) -> Result<Topology> {
+    let mut t = load(path)?;
+    if let Some(b) = bus {
+        t.bus = b;
+    }
+    Ok(t)
+}
+
+/// Prints each replica's counters as one table on stderr.
+pub fn print_metrics(all: &[(String, Arc<StageMetrics>)]) {
+    eprintln!(
+        "{:<16} {:>10} {:>10} {:>10} {:>10} {:>7} {:>7} {:>10}",
+        "stage", "in_msgs", "in_rows", "out_msgs", "out_rows", "errors", "dead", "proc_ms"
+    );
+    for (name, m) in all {
+        let s: std::collections::HashMap<_, _> = m.snapshot().into_iter().collect();
+        eprintln!(
+            "{:<16} {:>10} {:>10} {:>10} {:>10} {:>7} {:>7} {:>10}",
+            name,
+            s["in_messages"],
+            s["in_rows"],
+            s["out_messages"],
+            s["out_rows"],
+            s["errors"],
+            s["dead_lettered"],
+            s["processing_ms"]
+        );
+    }
+}
