@@ -41,8 +41,8 @@ pub fn check_config(kind: StageKind, config: &Value) -> Vec<String> {
 }
 
 /// Problems of the topology's `envs:` section.
-pub fn check_envs(t: &Topology) -> Vec<String> {
-    streamrl_stages::build_envs(&t.envs).err().unwrap_or_default()
+pub fn check_envs(envs: &Value) -> Vec<String> {
+    streamrl_stages::build_envs(envs).err().unwrap_or_default()
 }
 
 /// Whether the topology's bus keeps its topics across a restart of this process (every

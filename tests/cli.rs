@@ -38,6 +38,25 @@ fn validate_reports_all_five_mistakes_with_key_paths() {
 }
 
 #[test]
+fn validate_reports_env_and_sft_problems_with_the_rest() {
+    let (ok, _, err) = streamrl(&["validate", "--topology", "tests/fixtures/every_section.yaml"]);
+    assert!(!ok, "validate must exit non-zero");
+    for (path, what) in [
+        ("stages.source.config:", "group_size 0 must be at least 2"),
+        ("stages.archive.config:", "unknown field `flush_every`"),
+        ("envs.arithmetic.config:", "unknown environment `arithmetic`"),
+        ("sft.steps:", "must be at least 1"),
+        ("sft.preset:", "unknown preset `huge`"),
+    ] {
+        assert!(
+            err.lines().any(|l| l.trim().starts_with(path) && l.contains(what)),
+            "missing `{path} {what}` in:\n{err}"
+        );
+    }
+    assert!(err.contains("5 problem(s)"), "{err}");
+}
+
+#[test]
 fn the_default_topology_is_valid_and_draws() {
     let (ok, out, err) = streamrl(&["validate"]);
     assert!(ok, "{err}");

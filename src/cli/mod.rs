@@ -46,16 +46,26 @@ pub fn read_document(path: &Path) -> Result<serde_yaml::Value> {
         .map_err(|errs| problems(path, errs.iter().map(ToString::to_string).collect()))
 }
 
-/// The topology at `path`, validated (stage configs and environments included).
+/// The topology at `path`, validated in one pass: the runtime's checks (keys, topics,
+/// stages, ports, cycles, stage configs) and the sections only this binary knows
+/// (`envs:`, `sft:`), every problem reported at once.
 pub fn load(path: &Path) -> Result<Topology> {
-    let report = |errs: Vec<String>| problems(path, errs);
-    let t = Topology::load_with(path, overrides(), &crate::stages::check_config)
-        .map_err(|errs| report(errs.iter().map(ToString::to_string).collect()))?;
-    let env_errs = crate::stages::check_envs(&t);
-    if !env_errs.is_empty() {
-        return Err(report(env_errs));
+    let doc = read_document(path)?;
+    let mut errs = Vec::new();
+    let topology = Topology::from_document(doc.clone(), &crate::stages::check_config)
+        .map_err(|es| errs.extend(es.iter().map(ToString::to_string)))
+        .ok();
+    // A malformed `envs:` is already reported by the runtime's pass.
+    if doc.get("envs").is_none_or(|e| e.is_null() || e.is_mapping()) {
+        errs.extend(crate::stages::check_envs(
+            doc.get("envs").unwrap_or(&serde_yaml::Value::Null),
+        ));
     }
-    Ok(t)
+    errs.extend(train::check_sft(&doc));
+    match topology {
+        Some(t) if errs.is_empty() => Ok(t),
+        _ => Err(problems(path, errs)),
+    }
 }
 
 /// [`load`], with the bus URL overridden when one is given.

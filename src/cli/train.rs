@@ -282,6 +282,42 @@ fn d_lr() -> f64 {
     3e-3
 }
 
+/// Every problem of a topology's `sft:` section (`root` is the whole document, whose
+/// `envs:` entry of the same name configures the environment), each with its key path.
+pub fn check_sft(root: &serde_yaml::Value) -> Vec<String> {
+    let Some(spec) = root.get("sft").filter(|s| !s.is_null()) else {
+        return Vec::new();
+    };
+    let s: SftSpec = match serde_yaml::from_value(spec.clone()) {
+        Ok(s) => s,
+        Err(e) => return vec![format!("sft: {e}")],
+    };
+    let mut errs = Vec::new();
+    if s.steps == 0 {
+        errs.push("sft.steps: must be at least 1".to_string());
+    }
+    if s.batch == 0 {
+        errs.push("sft.batch: must be at least 1".to_string());
+    }
+    if !(s.lr.is_finite() && s.lr > 0.0) {
+        errs.push(format!("sft.lr: must be a positive number, got {}", s.lr));
+    }
+    if s.checkpoint.is_none()
+        && let Err(e) = config::preset(&s.preset, 1)
+    {
+        errs.push(format!("sft.preset: {e}"));
+    }
+    let entry = root
+        .get("envs")
+        .and_then(|e| e.get(&s.env))
+        .cloned()
+        .unwrap_or_default();
+    if let Err(es) = streamrl_stages::build_env(&s.env, &entry) {
+        errs.extend(es.into_iter().map(|e| format!("sft.env: environment `{}`: {e}", s.env)));
+    }
+    errs
+}
+
 /// Runs the topology's SFT section unless its output exists already.
 pub fn sft_from_topology(spec: &serde_yaml::Value, topology: &Path) -> Result<()> {
     if spec.is_null() {
