@@ -68,19 +68,13 @@ pub struct Arith {
     rubric: Rubric,
 }
 
-fn fnv(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    })
-}
-
 /// Whether `expr` is held out for eval: a well-mixed hash (FNV-1a, then the splitmix64
 /// finaliser) modulo `every`. FNV-1a alone is not enough: its low bit is the XOR of the
 /// bytes' low bits, which for `+`/`-` expressions is the parity of the answer, so `fnv % 10
 /// == 0` held out only even answers — a biased eval split that RL on the rest learned to
 /// do worse on.
 fn held_out(expr: &str, every: u64) -> bool {
-    let mut z = fnv(expr).wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = crate::fnv1a(expr).wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     (z ^ (z >> 31)).is_multiple_of(every)
@@ -200,7 +194,7 @@ impl Environment for Arith {
             let (expr, v) = self.draw(&mut rng);
             if held_out(&expr, self.cfg.eval_every) == (split == Split::Eval) {
                 return Problem {
-                    id: format!("arith-{}", fnv(&expr)),
+                    id: format!("arith-{}", crate::fnv1a(&expr)),
                     env: "arith".into(),
                     question: expr,
                     answer: Some(v.to_string()),

@@ -174,10 +174,7 @@ impl Tool {
     }
 
     fn is_eval(&self, q: &str) -> bool {
-        q.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-        }) % self.cfg.eval_every
-            == 0
+        crate::fnv1a(q).is_multiple_of(self.cfg.eval_every)
     }
 }
 

@@ -89,11 +89,11 @@ impl candle_nn::var_builder::SimpleBackend for FastInit {
             (Some(_), candle_nn::Init::Const(c)) => (Tensor::ones(shape, dtype, dev)? * c)?,
             (Some(seed), candle_nn::Init::Randn { mean, stdev }) => {
                 use rand::{Rng, SeedableRng};
-                let mut h = seed ^ 0xcbf2_9ce4_8422_2325;
-                for b in name.bytes() {
-                    h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
-                }
-                let mut rng = rand::rngs::SmallRng::seed_from_u64(h);
+                use std::hash::Hasher as _;
+                // FNV-1a of the name, its offset basis mixed with the seed.
+                let mut h = fnv::FnvHasher::with_key(seed ^ 0xcbf2_9ce4_8422_2325);
+                h.write(name.as_bytes());
+                let mut rng = rand::rngs::SmallRng::seed_from_u64(h.finish());
                 let mut v = Vec::with_capacity(n + 1);
                 while v.len() < n {
                     // Box–Muller: two normals per pair of uniforms.

@@ -39,6 +39,7 @@ use clap::Subcommand;
 use serde::Deserialize;
 use serde_json::json;
 use streamrl_sandbox::{ExecRequest, Limits, Pool, Sandbox, SandboxConfig};
+use subtle::ConstantTimeEq as _;
 
 #[derive(Subcommand)]
 pub enum SandboxCmd {
@@ -180,7 +181,7 @@ async fn auth(State(g): State<Shared>, headers: HeaderMap, req: Request, next: N
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
         .map(|(_, token)| token.trim());
     match given {
-        Some(t) if constant_time_eq(t.as_bytes(), g.token.as_bytes()) => next.run(req).await,
+        Some(t) if bool::from(t.as_bytes().ct_eq(g.token.as_bytes())) => next.run(req).await,
         Some(_) => error(StatusCode::UNAUTHORIZED, "the bearer token is wrong"),
         None => error(StatusCode::UNAUTHORIZED, "missing `Authorization: Bearer TOKEN` header"),
     }
@@ -204,10 +205,6 @@ async fn json_errors(req: Request, next: Next) -> Response {
         _ => status.canonical_reason().unwrap_or("error").to_string(),
     };
     error(status, text)
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Response> {

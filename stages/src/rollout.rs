@@ -181,13 +181,13 @@ impl std::fmt::Debug for RolloutStage {
     }
 }
 
+/// FNV-1a of the group id and the sample's index in it.
 fn seed_of(group_id: &str, index: u32) -> u64 {
-    group_id
-        .bytes()
-        .chain(index.to_le_bytes())
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-        })
+    use std::hash::Hasher as _;
+    let mut h = fnv::FnvHasher::default();
+    h.write(group_id.as_bytes());
+    h.write(&index.to_le_bytes());
+    h.finish()
 }
 
 impl RolloutStage {

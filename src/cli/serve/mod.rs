@@ -41,6 +41,7 @@ use serde_json::{Value, json};
 use streamrl_model::Tokenizer;
 use streamrl_model::chat::{ChatMessage, ChatTemplate};
 use streamrl_model::engine::{Engine, EngineConfig, Event, FinishReason, Output, PromptScores, SamplingParams};
+use subtle::ConstantTimeEq as _;
 use tokio::sync::mpsc;
 
 use wire::{Checked, Problem};
@@ -308,7 +309,7 @@ async fn authorize(State(s): State<Arc<AppState>>, req: Request, next: Next) -> 
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
         .map(|(_, key)| key.trim());
     match given {
-        Some(key) if constant_time_eq(key.as_bytes(), want.as_bytes()) => next.run(req).await,
+        Some(key) if bool::from(key.as_bytes().ct_eq(want.as_bytes())) => next.run(req).await,
         given => {
             let message = if given.is_some() {
                 "Incorrect API key provided"
@@ -327,10 +328,6 @@ async fn authorize(State(s): State<Arc<AppState>>, req: Request, next: Next) -> 
 }
 
 /// Compares without an early exit on the first differing byte.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 fn error(status: StatusCode, message: impl Into<String>, param: Option<&str>) -> Response {
     let kind = if status == StatusCode::NOT_FOUND {
         "not_found_error"
