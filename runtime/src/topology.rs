@@ -423,13 +423,8 @@ impl Topology {
         }
         let get_str = |k: &str| root.get(k).and_then(Value::as_str).map(str::to_string);
         let bus = get_str("bus").unwrap_or_else(|| "memory://".into());
-        match bus.split_once("://").map(|(s, _)| s) {
-            Some("memory" | "kafka") => {}
-            _ => err(
-                &mut errs,
-                "bus".into(),
-                format!("`{bus}` is not a bus URL (memory://... or kafka://host:port)"),
-            ),
+        if let Err(e) = crate::bus::scheme(&bus) {
+            err(&mut errs, "bus".into(), e.to_string());
         }
         let run_id = get_str("run_id").unwrap_or_else(|| "default".into());
         let run_dir = PathBuf::from(get_str("run_dir").unwrap_or_else(|| format!("runs/{run_id}")));
@@ -962,6 +957,20 @@ stages:
         let errs = Topology::parse(&yaml, &none).unwrap_err();
         assert_eq!(errs.len(), 1, "{errs:?}");
         assert!(errs[0].message.contains("rollout → sandbox → rollout"), "{}", errs[0]);
+    }
+
+    #[test]
+    fn bus_urls_are_checked_against_the_schemes_connect_knows() {
+        for (bus, want) in [
+            ("redis://x", "unknown scheme `redis` (known: memory, kafka)"),
+            ("localhost:9092", "expected scheme://"),
+        ] {
+            let yaml = format!("bus: {bus}\ntopics:\n  dead_letter: {{ schema: dead_letter }}\n");
+            let errs = Topology::parse(&yaml, &none).unwrap_err();
+            assert_eq!(errs.len(), 1, "{errs:?}");
+            assert_eq!(errs[0].path, "bus");
+            assert!(errs[0].message.contains(want), "{}", errs[0]);
+        }
     }
 
     #[test]

@@ -293,11 +293,7 @@ pub trait Consumer: Send {
 
 /// Opens the bus a URL names.
 pub async fn connect(url: &str) -> Result<Arc<dyn Bus>> {
-    let scheme = url.split_once("://").map(|(s, _)| s).ok_or_else(|| Error::InvalidUrl {
-        url: url.to_string(),
-        reason: "expected scheme://..., e.g. memory:// or kafka://127.0.0.1:9092".into(),
-    })?;
-    match scheme {
+    match scheme(url)? {
         "memory" => Ok(memory::MemoryBus::open(url)?),
         #[cfg(feature = "kafka")]
         "kafka" => Ok(Arc::new(kafka::KafkaBus::connect(url).await?)),
@@ -306,11 +302,31 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Bus>> {
             url: url.to_string(),
             feature: "kafka",
         }),
-        other => Err(Error::InvalidUrl {
-            url: url.to_string(),
-            reason: format!("unknown scheme `{other}` (known: memory, kafka)"),
-        }),
+        other => unreachable!("scheme() admits only SCHEMES, not `{other}`"),
     }
+}
+
+/// The bus URL schemes [`connect`] knows, in the order error messages list them.
+pub const SCHEMES: [&str; 2] = ["memory", "kafka"];
+
+/// The scheme of a bus URL, one of [`SCHEMES`]; an error names the URL and says why not.
+/// (The rest of a URL is the backend's: a Kafka bootstrap list `host:port,host:port` is
+/// no authority the `url` crate accepts, so only the query is parsed with it.)
+pub fn scheme(url: &str) -> Result<&'static str> {
+    let Some((scheme, _)) = url.split_once("://") else {
+        return Err(Error::InvalidUrl {
+            url: url.to_string(),
+            reason: "expected scheme://..., e.g. memory:// or kafka://127.0.0.1:9092".into(),
+        });
+    };
+    SCHEMES
+        .iter()
+        .copied()
+        .find(|s| *s == scheme)
+        .ok_or_else(|| Error::InvalidUrl {
+            url: url.to_string(),
+            reason: format!("unknown scheme `{scheme}` (known: {})", SCHEMES.join(", ")),
+        })
 }
 
 /// The newest message of each non-empty partition of `topic`, read as a broadcast reader
@@ -400,17 +416,17 @@ fn murmur2(data: &[u8]) -> u32 {
     h
 }
 
-/// Parses `?k=v&...` query parameters of a bus URL.
+/// Parses `?k=v&...` query parameters of a bus URL (percent-decoded by the `url` crate's
+/// form decoder).
 pub(crate) fn query_params(url: &str) -> Result<(String, Vec<(String, String)>)> {
     let (base, query) = url.split_once('?').unwrap_or((url, ""));
-    let mut out = Vec::new();
-    for pair in query.split('&').filter(|p| !p.is_empty()) {
-        let (k, v) = pair.split_once('=').ok_or_else(|| Error::InvalidUrl {
+    if let Some(pair) = query.split('&').find(|p| !p.is_empty() && !p.contains('=')) {
+        return Err(Error::InvalidUrl {
             url: url.to_string(),
             reason: format!("query parameter `{pair}` is not key=value"),
-        })?;
-        out.push((k.to_string(), v.to_string()));
+        });
     }
+    let out = url::form_urlencoded::parse(query.as_bytes()).into_owned().collect();
     Ok((base.to_string(), out))
 }
 
