@@ -12,6 +12,7 @@ use streamrl_runtime::bus::Bus;
 use streamrl_runtime::runner::Shutdown;
 use streamrl_runtime::topology::{StageKind, Topology};
 use streamrl_schemas::{MetricRow, PolicyRow, SchemaId, TopicRow, codec};
+use streamrl_stages::step_metrics::name;
 use streamrl_stages::trainer::TrainerConfig;
 
 /// Per-step trainer metrics seen so far.
@@ -37,7 +38,10 @@ impl Summary {
         let (mut sum, mut n) = (0.0, 0.0);
         for m in self.steps.values() {
             for (k, v) in m {
-                if let Some(s) = k.strip_prefix("staleness_").and_then(|s| s.parse::<f64>().ok()) {
+                if let Some(s) = k
+                    .strip_prefix(name::STALENESS_PREFIX)
+                    .and_then(|s| s.parse::<f64>().ok())
+                {
                     sum += s * v;
                     n += v;
                 }
@@ -80,13 +84,13 @@ impl Summary {
             "last ¼"
         );
         for k in [
-            "reward_mean",
-            "loss",
-            "entropy",
-            "mismatch_kl",
-            "masked_low",
-            "masked_high",
-            "step_seconds",
+            name::REWARD_MEAN,
+            name::LOSS,
+            name::ENTROPY,
+            name::MISMATCH_KL,
+            name::MASKED_LOW,
+            name::MASKED_HIGH,
+            name::STEP_SECONDS,
         ] {
             eprintln!(
                 "{:<28} {:>12.4} {:>12.4}",
@@ -98,7 +102,7 @@ impl Summary {
         if let (Some((s0, h0)), Some((s1, h1))) = (self.heldout.iter().next(), self.heldout.iter().next_back()) {
             eprintln!(
                 "{:<28} {:>11.1}% {:>11.1}%   (versions {s0} and {s1})",
-                "heldout_accuracy",
+                name::HELDOUT_ACCURACY,
                 h0 * 100.0,
                 h1 * 100.0
             );
@@ -156,13 +160,13 @@ impl Watcher {
                         let Ok(b) = codec::decode(SchemaId::Metrics, &m.headers, &m.payload) else { continue };
                         let Ok(rows) = MetricRow::from_batch(&b) else { continue };
                         // The held-out accuracy of version 0 arrives on its own, before step 1.
-                        if let Some(h) = rows.iter().find(|r| r.name == "heldout_accuracy" && r.step == 0) {
+                        if let Some(h) = rows.iter().find(|r| r.name == name::HELDOUT_ACCURACY && r.step == 0) {
                             summary.heldout.insert(0, h.value);
                             if !quiet {
                                 eprintln!("step    0 held-out accuracy {:.1}%", h.value * 100.0);
                             }
                         }
-                        let trainer: Vec<&MetricRow> = rows.iter().filter(|r| r.name == "step_seconds").collect();
+                        let trainer: Vec<&MetricRow> = rows.iter().filter(|r| r.name == name::STEP_SECONDS).collect();
                         if trainer.is_empty() {
                             continue;
                         }
@@ -175,9 +179,9 @@ impl Watcher {
                         let g = |k: &str| e.get(k).copied().unwrap_or(0.0);
                         let stale: Vec<String> = e
                             .iter()
-                            .filter_map(|(k, v)| k.strip_prefix("staleness_").map(|s| format!("{s}:{v}")))
+                            .filter_map(|(k, v)| k.strip_prefix(name::STALENESS_PREFIX).map(|s| format!("{s}:{v}")))
                             .collect();
-                        let heldout = e.get("heldout_accuracy").copied();
+                        let heldout = e.get(name::HELDOUT_ACCURACY).copied();
                         if let Some(h) = heldout {
                             summary.heldout.insert(step, h);
                         }
@@ -187,8 +191,8 @@ impl Watcher {
                         eprintln!(
                             "step {step:>4}{} reward {:.3} loss {:+.4} entropy {:.3} kl {:.4} masked {:.3}/{:.3} trained {:>3}/{:<3} staleness [{}] {:.2} s/step {:.0} s{}",
                             max_steps.map(|m| format!("/{m}")).unwrap_or_default(),
-                            g("reward_mean"), g("loss"), g("entropy"), g("mismatch_kl"), g("masked_low"), g("masked_high"),
-                            g("samples_trained"), g("samples"), stale.join(" "), g("step_seconds"), t0.elapsed().as_secs_f64(),
+                            g(name::REWARD_MEAN), g(name::LOSS), g(name::ENTROPY), g(name::MISMATCH_KL), g(name::MASKED_LOW), g(name::MASKED_HIGH),
+                            g(name::SAMPLES_TRAINED), g(name::SAMPLES), stale.join(" "), g(name::STEP_SECONDS), t0.elapsed().as_secs_f64(),
                             heldout.map(|h| format!(" held-out {:.1}%", h * 100.0)).unwrap_or_default()
                         );
                     }

@@ -10,6 +10,7 @@ use arrow::array::{Array, AsArray};
 use arrow::datatypes::{DataType, Float64Type};
 use clap::Args;
 use streamrl_archive::Sql;
+use streamrl_stages::step_metrics::name;
 
 pub mod plot;
 
@@ -30,61 +31,78 @@ pub struct ReportArgs {
 struct Chart {
     file: &'static str,
     title: &'static str,
-    sql: &'static str,
+    sql: String,
     bars: bool,
 }
 
-const CHARTS: [Chart; 7] = [
-    Chart {
-        file: "heldout.svg",
-        title: "Held-out greedy accuracy per policy version (trainer eval_every)",
-        sql: "SELECT name AS series, step AS x, value AS y FROM metrics \
-              WHERE stage = 'trainer' AND (name = 'heldout_accuracy' OR name LIKE 'heldout/%') ORDER BY name, step",
-        bars: false,
-    },
-    Chart {
-        file: "reward.svg",
-        title: "Mean reward per step (trainer batch)",
-        sql: "SELECT name AS series, step AS x, value AS y FROM metrics \
-              WHERE stage = 'trainer' AND name = 'reward_mean' ORDER BY step",
-        bars: false,
-    },
-    Chart {
-        file: "loss.svg",
-        title: "Loss, entropy and mismatch KL per step",
-        sql: "SELECT name AS series, step AS x, value AS y FROM metrics \
-              WHERE stage = 'trainer' AND name IN ('loss', 'entropy', 'mismatch_kl') ORDER BY name, step",
-        bars: false,
-    },
-    Chart {
-        file: "masking.svg",
-        title: "Fraction of trainable tokens masked (ratio below low / above high)",
-        sql: "SELECT name AS series, step AS x, value AS y FROM metrics \
-              WHERE stage = 'trainer' AND name IN ('masked_low', 'masked_high') ORDER BY name, step",
-        bars: false,
-    },
-    Chart {
-        file: "staleness.svg",
-        title: "Staleness histogram: samples by versions behind the trainer",
-        sql: "SELECT 'samples' AS series, CAST(replace(name, 'staleness_', '') AS DOUBLE) AS x, sum(value) AS y FROM metrics \
-              WHERE stage = 'trainer' AND name LIKE 'staleness_%' GROUP BY name ORDER BY x",
-        bars: true,
-    },
-    Chart {
-        file: "throughput.svg",
-        title: "Trainer tokens/s per step",
-        sql: "SELECT name AS series, step AS x, value AS y FROM metrics \
-              WHERE stage = 'trainer' AND name = 'tokens_per_s' ORDER BY step",
-        bars: false,
-    },
-    Chart {
-        file: "lag.svg",
-        title: "Generation lag: policy versions behind the step a group was admitted for (mean per step)",
-        sql: "SELECT 'versions behind' AS series, step AS x, avg(CAST(step AS DOUBLE) - CAST(completion_versions[1] AS DOUBLE)) AS y \
-              FROM rollouts GROUP BY step ORDER BY step",
-        bars: false,
-    },
-];
+/// `SELECT name AS series, step AS x, value AS y` of the trainer's metrics `names`.
+fn trainer_series(names: &[&str]) -> String {
+    let list: Vec<String> = names.iter().map(|n| format!("'{n}'")).collect();
+    format!(
+        "SELECT name AS series, step AS x, value AS y FROM metrics \
+         WHERE stage = 'trainer' AND name IN ({}) ORDER BY name, step",
+        list.join(", ")
+    )
+}
+
+/// The charts, their SQL built from the trainer's metric names ([`name`]).
+fn charts() -> Vec<Chart> {
+    vec![
+        Chart {
+            file: "heldout.svg",
+            title: "Held-out greedy accuracy per policy version (trainer eval_every)",
+            sql: format!(
+                "SELECT name AS series, step AS x, value AS y FROM metrics \
+                 WHERE stage = 'trainer' AND (name = '{}' OR name LIKE '{}%') ORDER BY name, step",
+                name::HELDOUT_ACCURACY,
+                name::HELDOUT_PREFIX
+            ),
+            bars: false,
+        },
+        Chart {
+            file: "reward.svg",
+            title: "Mean reward per step (trainer batch)",
+            sql: trainer_series(&[name::REWARD_MEAN]),
+            bars: false,
+        },
+        Chart {
+            file: "loss.svg",
+            title: "Loss, entropy and mismatch KL per step",
+            sql: trainer_series(&[name::LOSS, name::ENTROPY, name::MISMATCH_KL]),
+            bars: false,
+        },
+        Chart {
+            file: "masking.svg",
+            title: "Fraction of trainable tokens masked (ratio below low / above high)",
+            sql: trainer_series(&[name::MASKED_LOW, name::MASKED_HIGH]),
+            bars: false,
+        },
+        Chart {
+            file: "staleness.svg",
+            title: "Staleness histogram: samples by versions behind the trainer",
+            sql: format!(
+                "SELECT 'samples' AS series, CAST(replace(name, '{p}', '') AS DOUBLE) AS x, sum(value) AS y FROM metrics \
+                 WHERE stage = 'trainer' AND name LIKE '{p}%' GROUP BY name ORDER BY x",
+                p = name::STALENESS_PREFIX
+            ),
+            bars: true,
+        },
+        Chart {
+            file: "throughput.svg",
+            title: "Trainer tokens/s per step",
+            sql: trainer_series(&[name::TOKENS_PER_S]),
+            bars: false,
+        },
+        Chart {
+            file: "lag.svg",
+            title: "Generation lag: policy versions behind the step a group was admitted for (mean per step)",
+            sql: "SELECT 'versions behind' AS series, step AS x, avg(CAST(step AS DOUBLE) - CAST(completion_versions[1] AS DOUBLE)) AS y \
+                  FROM rollouts GROUP BY step ORDER BY step"
+                .into(),
+            bars: false,
+        },
+    ]
+}
 
 type Series = Vec<(String, Vec<(f64, f64)>)>;
 
@@ -278,13 +296,13 @@ pub async fn report(a: ReportArgs) -> Result<PathBuf> {
         "<p>Run directory: <code>{}</code></p>",
         xml(&a.run_dir.display().to_string())
     );
-    for c in &CHARTS {
+    for c in &charts() {
         let data = if c.sql.contains("FROM rollouts") && !sql.tables().iter().any(|t| t == "rollouts")
             || c.sql.contains("FROM metrics") && !sql.tables().iter().any(|t| t == "metrics")
         {
             Vec::new()
         } else {
-            series(&sql, c.sql)
+            series(&sql, &c.sql)
                 .await
                 .with_context(|| format!("query for {}", c.file))?
         };
@@ -298,7 +316,7 @@ pub async fn report(a: ReportArgs) -> Result<PathBuf> {
             xml(c.title),
             c.file,
             xml(c.title),
-            xml(c.sql)
+            xml(&c.sql)
         );
     }
     html.push_str("<h2>Rows per topic</h2><table border=\"1\" cellpadding=\"4\"><tr><th>topic</th><th>rows</th></tr>");

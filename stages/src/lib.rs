@@ -22,6 +22,7 @@ pub mod reward;
 pub mod rollout;
 pub mod sandbox;
 pub mod source;
+pub mod step_metrics;
 pub mod train;
 pub mod trainer;
 pub mod weights;

@@ -37,6 +37,7 @@ use streamrl_model::chat::ChatTemplate;
 use streamrl_runtime::{Emitter, Input, Stage, StageError, telemetry};
 use streamrl_schemas::{Outcome, PolicyRow, SampleRow, SchemaId, Signal, TopicRow, TrainedRow};
 
+use crate::step_metrics::{StepMetrics, name};
 use crate::train::{Learner, StepReport, TrainConfig, TrainSample};
 use crate::{Ctx, compute, now_ms, rows};
 
@@ -611,45 +612,38 @@ impl TrainerStage {
         let adv_mean = adv.iter().sum::<f64>() / adv.len().max(1) as f64;
         let adv_std = (adv.iter().map(|a| (a - adv_mean).powi(2)).sum::<f64>() / adv.len().max(1) as f64).sqrt();
         let len_mean = all.iter().map(|s| s.completion_token_ids.len() as f64).sum::<f64>() / n;
-        let mut m: Vec<(String, f64)> = vec![
-            ("loss".into(), report.loss as f64),
-            ("masked_low".into(), report.masked_low as f64),
-            ("masked_high".into(), report.masked_high as f64),
-            ("mismatch_kl".into(), report.mismatch_kl as f64),
-            ("max_logprob_diff".into(), report.max_logprob_diff as f64),
-            ("clip_fraction".into(), report.clip_fraction as f64),
-            ("entropy".into(), report.entropy as f64),
-            ("grad_norm".into(), report.grad_norm as f64),
-            (
-                "optimizer_step_skipped".into(),
-                if report.skipped_nonfinite { 1.0 } else { 0.0 },
-            ),
-            ("lr".into(), report.lr),
-            ("reward_mean".into(), reward_mean),
-            ("advantage_mean".into(), adv_mean),
-            ("advantage_std".into(), adv_std),
-            ("completion_len_mean".into(), len_mean),
-            ("samples".into(), all.len() as f64),
-            ("samples_trained".into(), train.len() as f64),
-            ("samples_dropped_stale".into(), stale as f64),
-            ("samples_filtered".into(), filtered_samples as f64),
-            ("samples_duplicate".into(), self.duplicates as f64),
-            ("groups_missing".into(), self.missing as f64),
-            ("trainable_tokens".into(), report.trainable_tokens as f64),
-            ("micro_batches".into(), report.micro_batches as f64),
-            ("step_seconds".into(), report.seconds),
-            (
-                "tokens_per_s".into(),
-                if report.seconds > 0.0 {
-                    report.tokens as f64 / report.seconds
-                } else {
-                    0.0
-                },
-            ),
-        ];
-        for (k, c) in &staleness {
-            m.push((format!("staleness_{k}"), *c as f64));
+        let mut m = StepMetrics {
+            loss: report.loss as f64,
+            masked_low: report.masked_low as f64,
+            masked_high: report.masked_high as f64,
+            mismatch_kl: report.mismatch_kl as f64,
+            max_logprob_diff: report.max_logprob_diff as f64,
+            clip_fraction: report.clip_fraction as f64,
+            entropy: report.entropy as f64,
+            grad_norm: report.grad_norm as f64,
+            optimizer_step_skipped: report.skipped_nonfinite,
+            lr: report.lr,
+            reward_mean,
+            advantage_mean: adv_mean,
+            advantage_std: adv_std,
+            completion_len_mean: len_mean,
+            samples: all.len() as u64,
+            samples_trained: train.len() as u64,
+            samples_dropped_stale: stale,
+            samples_filtered: filtered_samples,
+            samples_duplicate: self.duplicates,
+            groups_missing: self.missing,
+            trainable_tokens: report.trainable_tokens as u64,
+            micro_batches: report.micro_batches as u64,
+            step_seconds: report.seconds,
+            tokens_per_s: if report.seconds > 0.0 {
+                report.tokens as f64 / report.seconds
+            } else {
+                0.0
+            },
+            staleness,
         }
+        .rows();
         if self.cfg.eval_every > 0 && self.version.is_multiple_of(self.cfg.eval_every) {
             m.extend(self.heldout());
         }
@@ -682,7 +676,7 @@ impl TrainerStage {
                 )
             });
             match r {
-                Ok(r) => out.push((format!("heldout/{}", env.name()), r.greedy_accuracy)),
+                Ok(r) => out.push((format!("{}{}", name::HELDOUT_PREFIX, env.name()), r.greedy_accuracy)),
                 Err(e) => {
                     tracing::warn!(stage = %self.ctx.instance(), env = env.name(), error = %e, "held-out evaluation failed")
                 }
@@ -690,7 +684,7 @@ impl TrainerStage {
         }
         if !out.is_empty() {
             let mean = out.iter().map(|(_, v)| v).sum::<f64>() / out.len() as f64;
-            out.push(("heldout_accuracy".into(), mean));
+            out.push((name::HELDOUT_ACCURACY.into(), mean));
         }
         out
     }
