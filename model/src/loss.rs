@@ -129,10 +129,54 @@ fn check_finite(x: &LossInputs<'_>) -> Result<()> {
     Ok(())
 }
 
+/// What every loss kind shares, computed once per call.
+struct Prepared<'a> {
+    x: LossInputs<'a>,
+    /// Tokens.
+    n: usize,
+    dev: &'a candle_core::Device,
+    /// The true importance ratio per token (decides the masks).
+    r: Vec<f32>,
+    /// The log-ratio the arithmetic uses: clamped to ±[`MAX_LOG_RATIO`], 0 off the mask.
+    clamped: Vec<f32>,
+    /// `max(Σ mask, 1)`: token losses are normalised by it.
+    denom: f32,
+    /// The (shifted) sampler logprobs the differentiable ratio subtracts.
+    sampler: Tensor,
+    /// `exp(logprobs − sampler)`, differentiable.
+    ratio: Tensor,
+}
+
+impl Prepared<'_> {
+    fn weights(&self, w: Vec<f32>) -> candle_core::Result<Tensor> {
+        Tensor::new(w.as_slice(), self.dev)
+    }
+}
+
 /// Computes `kind`'s loss. Finite for any finite inputs and for −∞ sampler logprobs,
 /// however large the ratios: masks are decided on the log-ratio, and a masked token's
 /// ratio never enters a product.
 pub fn compute(kind: LossKind, x: LossInputs<'_>) -> Result<(Tensor, LossMetrics)> {
+    let (p, mut m) = prepare(x)?;
+    let loss = match kind {
+        LossKind::MaskedIs {
+            low,
+            high,
+            seq_low,
+            kl_tau,
+        } => masked_is(&p, &mut m, low, high, seq_low, kl_tau)?,
+        LossKind::Clipped { eps_low, eps_high } => clipped(&p, &mut m, eps_low, eps_high)?,
+        LossKind::Gspo { eps_low, eps_high } => gspo(&p, &mut m, eps_low, eps_high)?,
+        LossKind::Tis { cap } => tis(&p, cap)?,
+        LossKind::Sft => sft(&p)?,
+    };
+    m.loss = loss.to_scalar::<f32>()?;
+    Ok((loss, m))
+}
+
+/// Checks the inputs and computes what every kind shares, with the metrics every kind
+/// reports (tokens, mismatch KL, largest log-ratio).
+fn prepare(x: LossInputs<'_>) -> Result<(Prepared<'_>, LossMetrics)> {
     let n = x.logprobs.dims1()?;
     for (name, len) in [
         ("sampler", x.sampler.len()),
@@ -194,145 +238,166 @@ pub fn compute(kind: LossKind, x: LossInputs<'_>) -> Result<(Tensor, LossMetrics
         .collect();
     let sampler = Tensor::new(shift.as_slice(), dev)?;
     let ratio = (x.logprobs - &sampler)?.exp()?;
-    let weights = |w: Vec<f32>| Tensor::new(w.as_slice(), dev);
     let max_abs_log_ratio = clamped
         .iter()
         .zip(x.mask)
         .filter(|(_, m)| **m > 0.0)
         .map(|(l, _)| l.abs())
         .fold(0.0f32, f32::max);
-    let mut m = LossMetrics {
+    let m = LossMetrics {
         tokens,
         mismatch_kl,
         max_abs_log_ratio,
         ..Default::default()
     };
-    let loss = match kind {
-        LossKind::MaskedIs {
-            low,
-            high,
-            seq_low,
-            kl_tau,
-        } => {
-            let mut keep: Vec<f32> = x.mask.to_vec();
-            let (mut lo, mut hi) = (0f32, 0f32);
-            for i in 0..n {
-                if x.mask[i] == 0.0 {
-                    continue;
-                }
-                if r[i] < low {
-                    keep[i] = 0.0;
+    Ok((
+        Prepared {
+            x,
+            n,
+            dev,
+            r,
+            clamped,
+            denom,
+            sampler,
+            ratio,
+        },
+        m,
+    ))
+}
+
+/// Double-sided masked IS: tokens whose ratio leaves `[low, high]` (and, with `seq_low`,
+/// whole samples whose smallest ratio is below it) are dropped; optional `(log r)²` penalty.
+fn masked_is(
+    p: &Prepared<'_>,
+    m: &mut LossMetrics,
+    low: f32,
+    high: f32,
+    seq_low: Option<f32>,
+    kl_tau: f32,
+) -> Result<Tensor> {
+    let mut keep: Vec<f32> = p.x.mask.to_vec();
+    let (mut lo, mut hi) = (0f32, 0f32);
+    for (i, k) in keep.iter_mut().enumerate() {
+        if p.x.mask[i] == 0.0 {
+            continue;
+        }
+        if p.r[i] < low {
+            *k = 0.0;
+            lo += 1.0;
+        } else if p.r[i] > high {
+            *k = 0.0;
+            hi += 1.0;
+        }
+    }
+    if let Some(seq_low) = seq_low {
+        for &(s, len) in p.x.spans {
+            let min = (s..s + len)
+                .filter(|&i| p.x.mask[i] > 0.0)
+                .map(|i| p.r[i])
+                .fold(f32::INFINITY, f32::min);
+            if min < seq_low {
+                for k in keep[s..s + len].iter_mut().filter(|k| **k > 0.0) {
+                    *k = 0.0;
                     lo += 1.0;
-                } else if r[i] > high {
-                    keep[i] = 0.0;
-                    hi += 1.0;
                 }
             }
-            if let Some(seq_low) = seq_low {
-                for &(s, len) in x.spans {
-                    let min = (s..s + len)
-                        .filter(|&i| x.mask[i] > 0.0)
-                        .map(|i| r[i])
-                        .fold(f32::INFINITY, f32::min);
-                    if min < seq_low {
-                        for k in keep[s..s + len].iter_mut().filter(|k| **k > 0.0) {
-                            *k = 0.0;
-                            lo += 1.0;
-                        }
-                    }
-                }
-            }
-            m.masked_low = lo / denom;
-            m.masked_high = hi / denom;
-            let w: Vec<f32> = (0..n).map(|i| -keep[i] * x.advantages[i] / denom).collect();
-            let mut loss = (&ratio * weights(w)?)?.sum_all()?;
-            if kl_tau > 0.0 {
-                let lr = (x.logprobs - &sampler)?;
-                let mw: Vec<f32> = x.mask.iter().map(|mm| kl_tau * mm / denom).collect();
-                loss = (loss + (lr.sqr()? * weights(mw)?)?.sum_all()?)?;
-            }
-            loss
         }
-        LossKind::Clipped { eps_low, eps_high } => {
-            let (mut w, mut constant, mut clipped) = (vec![0f32; n], 0f32, 0f32);
-            for i in 0..n {
-                if x.mask[i] == 0.0 {
-                    continue;
-                }
-                let a = x.advantages[i];
-                let ri = clamped[i].exp();
-                let c = ri.clamp(1.0 - eps_low, 1.0 + eps_high);
-                if c * a < ri * a {
-                    // The clipped branch is the minimum: it is constant in θ.
-                    constant -= c * a / denom;
-                    clipped += 1.0;
-                } else {
-                    w[i] = -a / denom;
-                }
-            }
-            m.clip_fraction = clipped / denom;
-            ((&ratio * weights(w)?)?.sum_all()? + constant as f64)?
+    }
+    m.masked_low = lo / p.denom;
+    m.masked_high = hi / p.denom;
+    let w: Vec<f32> = (0..p.n).map(|i| -keep[i] * p.x.advantages[i] / p.denom).collect();
+    let mut loss = (&p.ratio * p.weights(w)?)?.sum_all()?;
+    if kl_tau > 0.0 {
+        let lr = (p.x.logprobs - &p.sampler)?;
+        let mw: Vec<f32> = p.x.mask.iter().map(|mm| kl_tau * mm / p.denom).collect();
+        loss = (loss + (lr.sqr()? * p.weights(mw)?)?.sum_all()?)?;
+    }
+    Ok(loss)
+}
+
+/// The PPO/GRPO clipped surrogate (DAPO with `eps_low != eps_high`).
+fn clipped(p: &Prepared<'_>, m: &mut LossMetrics, eps_low: f32, eps_high: f32) -> Result<Tensor> {
+    let (mut w, mut constant, mut clipped) = (vec![0f32; p.n], 0f32, 0f32);
+    for (i, wi) in w.iter_mut().enumerate() {
+        if p.x.mask[i] == 0.0 {
+            continue;
         }
-        LossKind::Gspo { eps_low, eps_high } => {
-            // s_i = exp(Σ_t m·log r / Σ_t m) via a (sequences × tokens) averaging matrix.
-            let seqs: Vec<&(usize, usize)> = x
-                .spans
-                .iter()
-                .filter(|&&(s, l)| (s..s + l).any(|i| x.mask[i] > 0.0))
-                .collect();
-            if seqs.is_empty() {
-                (x.logprobs.sum_all()? * 0.0)?
+        let a = p.x.advantages[i];
+        let ri = p.clamped[i].exp();
+        let c = ri.clamp(1.0 - eps_low, 1.0 + eps_high);
+        if c * a < ri * a {
+            // The clipped branch is the minimum: it is constant in θ.
+            constant -= c * a / p.denom;
+            clipped += 1.0;
+        } else {
+            *wi = -a / p.denom;
+        }
+    }
+    m.clip_fraction = clipped / p.denom;
+    Ok(((&p.ratio * p.weights(w)?)?.sum_all()? + constant as f64)?)
+}
+
+/// GSPO: the clipped surrogate on each sequence's geometric-mean ratio.
+fn gspo(p: &Prepared<'_>, m: &mut LossMetrics, eps_low: f32, eps_high: f32) -> Result<Tensor> {
+    // s_i = exp(Σ_t m·log r / Σ_t m) via a (sequences × tokens) averaging matrix.
+    let seqs: Vec<&(usize, usize)> =
+        p.x.spans
+            .iter()
+            .filter(|&&(s, l)| (s..s + l).any(|i| p.x.mask[i] > 0.0))
+            .collect();
+    if seqs.is_empty() {
+        Ok((p.x.logprobs.sum_all()? * 0.0)?)
+    } else {
+        let k = seqs.len();
+        let mut avg = vec![0f32; k * p.n];
+        let mut adv = vec![0f32; k];
+        for (j, &&(s, l)) in seqs.iter().enumerate() {
+            let cnt: f32 = p.x.mask[s..s + l].iter().sum();
+            for i in s..s + l {
+                avg[j * p.n + i] = p.x.mask[i] / cnt;
+            }
+            adv[j] = (s..s + l)
+                .find(|&i| p.x.mask[i] > 0.0)
+                .map(|i| p.x.advantages[i])
+                .unwrap_or(0.0);
+        }
+        let lr = (p.x.logprobs - &p.sampler)?.unsqueeze(1)?;
+        let seq_log = Tensor::from_vec(avg, (k, p.n), p.dev)?.matmul(&lr)?.squeeze(1)?;
+        let s = seq_log.exp()?;
+        let sv = s.to_vec1::<f32>()?;
+        let (mut w, mut constant, mut clipped) = (vec![0f32; k], 0f32, 0f32);
+        for j in 0..k {
+            let c = sv[j].clamp(1.0 - eps_low, 1.0 + eps_high);
+            if c * adv[j] < sv[j] * adv[j] {
+                constant -= c * adv[j] / k as f32;
+                clipped += 1.0;
             } else {
-                let k = seqs.len();
-                let mut avg = vec![0f32; k * n];
-                let mut adv = vec![0f32; k];
-                for (j, &&(s, l)) in seqs.iter().enumerate() {
-                    let cnt: f32 = x.mask[s..s + l].iter().sum();
-                    for i in s..s + l {
-                        avg[j * n + i] = x.mask[i] / cnt;
-                    }
-                    adv[j] = (s..s + l)
-                        .find(|&i| x.mask[i] > 0.0)
-                        .map(|i| x.advantages[i])
-                        .unwrap_or(0.0);
-                }
-                let lr = (x.logprobs - &sampler)?.unsqueeze(1)?;
-                let seq_log = Tensor::from_vec(avg, (k, n), dev)?.matmul(&lr)?.squeeze(1)?;
-                let s = seq_log.exp()?;
-                let sv = s.to_vec1::<f32>()?;
-                let (mut w, mut constant, mut clipped) = (vec![0f32; k], 0f32, 0f32);
-                for j in 0..k {
-                    let c = sv[j].clamp(1.0 - eps_low, 1.0 + eps_high);
-                    if c * adv[j] < sv[j] * adv[j] {
-                        constant -= c * adv[j] / k as f32;
-                        clipped += 1.0;
-                    } else {
-                        w[j] = -adv[j] / k as f32;
-                    }
-                }
-                m.clip_fraction = clipped / k as f32;
-                ((s * weights(w)?)?.sum_all()? + constant as f64)?
+                w[j] = -adv[j] / k as f32;
             }
         }
-        LossKind::Tis { cap } => {
-            let w: Vec<f32> = (0..n)
-                .map(|i| {
-                    if x.mask[i] > 0.0 {
-                        -x.mask[i] * r[i].min(cap) * x.advantages[i] / denom
-                    } else {
-                        0.0
-                    }
-                })
-                .collect();
-            (x.logprobs * weights(w)?)?.sum_all()?
-        }
-        LossKind::Sft => {
-            let w: Vec<f32> = x.mask.iter().map(|mm| -mm / denom).collect();
-            (x.logprobs * weights(w)?)?.sum_all()?
-        }
-    };
-    m.loss = loss.to_scalar::<f32>()?;
-    Ok((loss, m))
+        m.clip_fraction = clipped / k as f32;
+        Ok(((s * p.weights(w)?)?.sum_all()? + constant as f64)?)
+    }
+}
+
+/// Truncated IS: policy gradient weighted by a detached `min(r, cap)`.
+fn tis(p: &Prepared<'_>, cap: f32) -> Result<Tensor> {
+    let w: Vec<f32> = (0..p.n)
+        .map(|i| {
+            if p.x.mask[i] > 0.0 {
+                -p.x.mask[i] * p.r[i].min(cap) * p.x.advantages[i] / p.denom
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Ok((p.x.logprobs * p.weights(w)?)?.sum_all()?)
+}
+
+/// Supervised cross-entropy on trainable tokens.
+fn sft(p: &Prepared<'_>) -> Result<Tensor> {
+    let w: Vec<f32> = p.x.mask.iter().map(|mm| -mm / p.denom).collect();
+    Ok((p.x.logprobs * p.weights(w)?)?.sum_all()?)
 }
 
 #[cfg(test)]
