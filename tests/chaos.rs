@@ -424,12 +424,18 @@ fn invariants(r: &Run, shape: Shape, copies: Copies) -> Vec<(String, String, boo
     v
 }
 
+/// Prints a run's title (wall time, kills) and invariant table on the process's stderr
+/// itself, past libtest's output capture, so that CI logs show them for passing tests.
 fn print_table(title: &str, rows: &[(String, String, bool)]) {
-    eprintln!("\n{title}");
-    eprintln!("{:<56} {:<6} measured", "invariant", "holds");
+    use std::io::Write as _;
+    let mut text = format!("\n{title}\n{:<56} {:<6} measured\n", "invariant", "holds");
     for (name, measured, ok) in rows {
-        eprintln!("{name:<56} {:<6} {measured}", if *ok { "yes" } else { "NO" });
+        text.push_str(&format!(
+            "{name:<56} {:<6} {measured}\n",
+            if *ok { "yes" } else { "NO" }
+        ));
     }
+    let _ = std::io::stderr().lock().write_all(text.as_bytes());
 }
 
 #[test]
