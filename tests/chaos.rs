@@ -262,9 +262,6 @@ fn run(bus: &str, shape: Shape, mut faults: impl FnMut(&Moment)) -> Run {
         std::thread::sleep(Duration::from_millis(50));
     };
     let wall = t0.elapsed().as_secs_f64();
-    if std::env::var_os("STREAMRL_CHAOS_KEEP").is_some() {
-        eprintln!("chaos: run kept in {}", dir.path().display());
-    }
     let out = up.wait_with_output().unwrap();
     let up_log = format!(
         "{}{}",
@@ -273,6 +270,7 @@ fn run(bus: &str, shape: Shape, mut faults: impl FnMut(&Moment)) -> Run {
     );
     assert!(status.success(), "streamrl up failed ({status}):\n{up_log}");
     let dir = if std::env::var_os("STREAMRL_CHAOS_KEEP").is_some() {
+        eprintln!("chaos: run kept in {}", dir.path().display());
         Dir::Kept(dir.keep())
     } else {
         Dir::Temp(dir)

@@ -77,6 +77,14 @@ pub fn load_on(path: &Path, bus: Option<String>) -> Result<Topology> {
     Ok(t)
 }
 
+/// [`load_on`], then the topology's SFT warm start when it has one and its output is
+/// missing (`run` and `up` both start this way).
+pub fn load_and_warm_start(path: &Path, bus: Option<String>) -> Result<Topology> {
+    let t = load_on(path, bus)?;
+    tokio::task::block_in_place(|| train::sft_from_topology(&t.sft, path))?;
+    Ok(t)
+}
+
 /// Prints each replica's counters as one table on stderr.
 pub fn print_metrics(all: &[(String, Arc<StageMetrics>)]) {
     eprintln!(

@@ -109,9 +109,7 @@ pub fn graph(a: GraphArgs) -> Result<()> {
 /// The SFT warm start when the topology has one and its output is missing, then every
 /// stage in this process until the run ends; prints the counters and the summary.
 pub async fn run(a: RunArgs) -> Result<()> {
-    let t = load_on(&a.topology, a.bus)?;
-    let sft = t.sft.clone();
-    tokio::task::block_in_place(|| super::train::sft_from_topology(&sft, &a.topology))?;
+    let t = super::load_and_warm_start(&a.topology, a.bus)?;
     let (summary, metrics) = run_all(t, false).await?;
     print_metrics(&metrics);
     summary.print();

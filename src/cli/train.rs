@@ -282,8 +282,9 @@ fn d_lr() -> f64 {
     3e-3
 }
 
-/// Every problem of a topology's `sft:` section (`root` is the whole document, whose
-/// `envs:` entry of the same name configures the environment), each with its key path.
+/// Every problem of a topology's `sft:` section (`root` is the whole document; an
+/// environment configured under its `envs:` is left to that section's check), each with
+/// its key path.
 pub fn check_sft(root: &serde_yaml::Value) -> Vec<String> {
     let Some(spec) = root.get("sft").filter(|s| !s.is_null()) else {
         return Vec::new();
@@ -307,12 +308,10 @@ pub fn check_sft(root: &serde_yaml::Value) -> Vec<String> {
     {
         errs.push(format!("sft.preset: {e}"));
     }
-    let entry = root
-        .get("envs")
-        .and_then(|e| e.get(&s.env))
-        .cloned()
-        .unwrap_or_default();
-    if let Err(es) = streamrl_stages::build_env(&s.env, &entry) {
+    // An environment configured under `envs:` is checked there; a built-in one here.
+    if root.get("envs").and_then(|e| e.get(&s.env)).is_none()
+        && let Err(es) = streamrl_stages::build_env(&s.env, &serde_yaml::Value::Null)
+    {
         errs.extend(es.into_iter().map(|e| format!("sft.env: environment `{}`: {e}", s.env)));
     }
     errs

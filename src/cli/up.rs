@@ -59,11 +59,8 @@ pub struct DownArgs {
 /// `streamrl up`: the SFT warm start when the topology has one and its output is missing,
 /// then [`up`].
 pub async fn run(a: UpArgs) -> Result<()> {
-    let t = super::load_on(&a.topology, a.bus)?;
-    let sft = t.sft.clone();
-    tokio::task::block_in_place(|| super::train::sft_from_topology(&sft, &a.topology))?;
-    let url = t.bus.clone();
-    up(&t, &a.topology, &url).await
+    let t = super::load_and_warm_start(&a.topology, a.bus)?;
+    up(&t, &a.topology, &t.bus).await
 }
 
 /// `streamrl down`: [`down`] for the topology's run directory.
