@@ -61,6 +61,23 @@ fn validate_reports_exactly_what_each_fixture_expects() {
     }
 }
 
+/// Every topology shipped under `topologies/` validates (they are documented entry points).
+#[test]
+fn the_shipped_topologies_are_valid() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("topologies");
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    assert!(!files.is_empty(), "no topologies in {}", dir.display());
+    for file in files {
+        let rel = file.strip_prefix(env!("CARGO_MANIFEST_DIR")).unwrap().to_str().unwrap();
+        let (ok, out, err) = streamrl(&["validate", "--topology", rel]);
+        assert!(ok && out.contains("is valid"), "{rel}:\n{out}{err}");
+    }
+}
+
 #[test]
 fn the_default_topology_is_valid_and_draws() {
     let (ok, out, err) = streamrl(&["validate"]);

@@ -1,5 +1,6 @@
 //! A real pretrained model through the whole RL loop: SmolLM2-135M-Instruct, imported from
-//! its GGUF with `streamrl model import`, answers `math` problems under its own chat
+//! its GGUF with `streamrl model import`, answers `arith` problems (`What is 47 - 85?`, the answer in `\boxed{}`) as
+//! `topologies/smollm2.yaml` sets them up, after its SFT warm start, under its own chat
 //! template and BPE tokenizer; source → rollout → reward → mask → trainer run a few steps,
 //! and the logprobs the rollout engine recorded while sampling equal the trainer's
 //! recomputation of the same tokens with the same weights.
@@ -8,48 +9,25 @@ mod common;
 
 use std::process::Command;
 
-const TOPOLOGY: &str = r#"
-bus: memory://
-run_id: smol
-run_dir: run
-dead_letter: dead_letter
-envs:
-  math: { weight: 1, config: { system_prompt: "Answer with the final number in \\boxed{}.", format_weight: 0.1 } }
-topics:
-  prompts:       { schema: prompts,       partitions: 1, key: group_id }
-  rollouts:      { schema: rollouts,      partitions: 1, key: group_id }
-  continuations: { schema: continuations, partitions: 1, key: rollout_id, feedback: true }
-  executed:      { schema: executed,      partitions: 1, key: group_id }
-  scored:        { schema: scored,        partitions: 1, key: group_id }
-  samples:       { schema: samples,       partitions: 1, key: group_id }
-  policy:        { schema: policy,        partitions: 1 }
-  trained:       { schema: trained,       partitions: 1 }
-  metrics:       { schema: metrics,       partitions: 1 }
-  dead_letter:   { schema: dead_letter,   partitions: 1 }
-stages:
-  source:
-    kind: source
-    broadcast: [policy]
-    outputs: [prompts, metrics]
-    # On-policy (async level 0): every sample is scored by the trainer with the very
-    # weights that sampled it, so the two logprobs must agree.
-    config: { checkpoint: smol, group_size: 4, groups_per_step: 1, max_async_level: 0, max_steps: 2, max_tokens: 24, temperature: 1.0 }
-  rollout:
-    kind: rollout
-    inputs: [prompts, continuations]
-    broadcast: [policy]
-    outputs: [rollouts, metrics]
-    config: { checkpoint: smol, max_inflight_groups: 1 }
-  sandbox: { kind: sandbox, inputs: [rollouts], outputs: [executed, continuations] }
-  reward: { kind: reward, inputs: [executed], outputs: [scored] }
-  mask: { kind: mask, inputs: [scored], outputs: [samples, metrics], config: { filter_zero_variance: false } }
-  trainer:
-    kind: trainer
-    inputs: [samples]
-    outputs: [policy, trained, metrics]
-    config: { checkpoint: smol, groups_per_step: 1, max_steps: 2, keep_last: 1, train: { lr: { type: constant, lr: 1.0e-6 } } }
-  archive: { kind: archive, inputs: all, config: { flush_rows: 100, flush_seconds: 1 } }
-"#;
+/// The shipped topology, shrunk to a few seconds of work: one SFT step of 2 samples, then two
+/// on-policy RL steps of one group of 4 (async level 0: every sample is scored by the
+/// trainer with the very weights that sampled it, so the two logprobs must agree).
+const SMALLER: &[&str] = &[
+    "sft.steps=1",
+    "sft.batch=2",
+    "stages.source.config.group_size=4",
+    "stages.source.config.groups_per_step=1",
+    "stages.source.config.max_async_level=0",
+    "stages.source.config.max_steps=2",
+    "stages.source.config.max_tokens=24",
+    "stages.rollout.config.max_inflight_groups=1",
+    "stages.mask.config.filter_zero_variance=false",
+    "stages.trainer.config.groups_per_step=1",
+    "stages.trainer.config.max_steps=2",
+    "stages.trainer.config.eval_every=0",
+    "stages.trainer.config.keep_last=1",
+    "stages.trainer.config.train.lr.lr=1.0e-6",
+];
 
 #[test]
 fn smollm2_runs_the_rl_loop_and_sampler_logprobs_equal_the_trainers() {
@@ -58,13 +36,18 @@ fn smollm2_runs_the_rl_loop_and_sampler_logprobs_equal_the_trainers() {
     let out = Command::new(bin)
         .args(["model", "import", "--gguf"])
         .arg(common::smollm2::smollm2_gguf())
-        .args(["--out", "smol"])
+        .args(["--out", "runs/smollm2/base"])
         .current_dir(dir.path())
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    std::fs::write(dir.path().join("topology.yaml"), TOPOLOGY).unwrap();
-    let run = Command::new(bin)
+    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("topologies/smollm2.yaml");
+    std::fs::copy(shipped, dir.path().join("topology.yaml")).unwrap();
+    let mut run = Command::new(bin);
+    for set in SMALLER {
+        run.args(["--set", set]);
+    }
+    let run = run
         .arg("run")
         .current_dir(dir.path())
         .env("CANDLE_NUM_THREADS", "1")
@@ -74,11 +57,15 @@ fn smollm2_runs_the_rl_loop_and_sampler_logprobs_equal_the_trainers() {
     let err = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "run failed:\n{err}");
     assert!(err.contains("trainer reached max_steps 2"), "{err}");
+    // The SFT warm start ran from the imported model, under the same chat template.
+    assert!(err.contains("sft: warm start into runs/smollm2/sft"), "{err}");
+    assert!(dir.path().join("runs/smollm2/sft/tokenizer_config.json").exists());
     let q = |sql: &str| common::query(dir.path(), sql);
     // The prompts went through SmolLM2's own chat template (ChatML with the system prompt).
     let prompts = q("SELECT prompt FROM rollouts LIMIT 1").join("\n");
     assert!(
         prompts.contains("<|im_start|>system")
+            && prompts.contains("What is ")
             && prompts.contains("boxed")
             && prompts.contains("<|im_start|>assistant"),
         "{prompts}"

@@ -1,6 +1,18 @@
-//! `arith`: generated arithmetic with difficulty levels; exact-match answers. The CPU demo
-//! task: prompts like `37+5*12=` and answers like `97`, one token per character with the
-//! built-in character tokenizer.
+//! `arith`: generated arithmetic with difficulty levels; exact-match answers. Two styles:
+//! `bare`, the CPU demo task (prompts like `37+5*12=`, answers like `97` on the first line,
+//! one token per character with the built-in character tokenizer), and `boxed`, for chat
+//! models (`What is 37 + 5 * 12?`, a reasoning line, the answer in the last `\boxed{}`).
+//!
+//! ```
+//! use streamrl_envs::{Environment, Split, arith::{Arith, ArithConfig, Style}};
+//!
+//! let env = Arith::new(ArithConfig { style: Style::Boxed, ..Default::default() }).unwrap();
+//! let p = env.sample(Split::Train, 3);
+//! assert!(env.prompt(&p).text.starts_with("What is "));
+//! let reference = env.reference_completion(&p).unwrap();
+//! assert_eq!(env.parse_answer(&reference), p.answer);
+//! assert_eq!(env.parse_answer("12 + 30 = 42"), None, "the answer must be boxed");
+//! ```
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -21,6 +33,21 @@ pub struct Level {
     pub operators: String,
 }
 
+/// How problems are asked and answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Style {
+    /// `7-3+9-4=` → `9`: the bare expression, the answer alone on the first line (for a
+    /// model trained from scratch with the character tokenizer).
+    #[default]
+    Bare,
+    /// `What is 7 - 3 + 9 - 4?` → a reasoning line and `\boxed{9}` (for a chat model): the
+    /// answer is the integer in the last `\boxed{}`; a completion without one has none.
+    /// Reference solutions work `+`/`-` chains left to right (`7 - 3 = 4, 4 + 9 = 13,
+    /// 13 - 4 = 9.`).
+    Boxed,
+}
+
 /// Configuration of the arith environment.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -33,6 +60,8 @@ pub struct ArithConfig {
     /// aligned from the right, and its sign, that the completion gets right); 0: off.
     /// Denser than exact match, so RL has a signal on problems it never solves outright.
     pub partial_credit: f32,
+    /// How problems are asked and answered.
+    pub style: Style,
 }
 
 impl Default for ArithConfig {
@@ -57,6 +86,7 @@ impl Default for ArithConfig {
             ],
             eval_every: 10,
             partial_credit: 0.0,
+            style: Style::Bare,
         }
     }
 }
@@ -78,6 +108,41 @@ fn held_out(expr: &str, every: u64) -> bool {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     (z ^ (z >> 31)).is_multiple_of(every)
+}
+
+/// `7-3*2` as `7 - 3 * 2`.
+fn spaced(expr: &str) -> String {
+    let mut out = String::with_capacity(expr.len() * 2);
+    for c in expr.chars() {
+        if "+-*".contains(c) {
+            out.push(' ');
+            out.push(c);
+            out.push(' ');
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// One reasoning line: a `+`/`-` chain worked left to right (`7 - 3 = 4, 4 + 9 = 13.`),
+/// anything else evaluated in one go (`7 - 3 * 2 = 1.`).
+fn worked(expr: &str) -> Option<String> {
+    let value = evaluate(expr)?;
+    let operands: Vec<&str> = expr.split(['+', '-']).collect();
+    if expr.contains('*') || operands.len() <= 2 {
+        return Some(format!("{} = {value}.", spaced(expr)));
+    }
+    let ops: Vec<char> = expr.chars().filter(|c| *c == '+' || *c == '-').collect();
+    let mut acc: i128 = operands[0].parse().ok()?;
+    let mut steps = Vec::new();
+    for (op, x) in ops.iter().zip(&operands[1..]) {
+        let x: i128 = x.parse().ok()?;
+        let next = if *op == '+' { acc + x } else { acc - x };
+        steps.push(format!("{acc} {op} {x} = {next}"));
+        acc = next;
+    }
+    Some(format!("{}.", steps.join(", ")))
 }
 
 /// The fraction of `want`'s digits (aligned from the right) and sign that `got` matches;
@@ -205,17 +270,30 @@ impl Environment for Arith {
     }
 
     fn prompt(&self, p: &Problem) -> Prompt {
-        Prompt::text(format!("{}=", p.question))
+        match self.cfg.style {
+            Style::Bare => Prompt::text(format!("{}=", p.question)),
+            Style::Boxed => Prompt::text(format!(
+                "What is {}?\nPut the final answer in \\boxed{{}}.",
+                spaced(&p.question)
+            )),
+        }
     }
 
     fn parse_answer(&self, completion: &str) -> Option<String> {
-        let line = completion.split(['\n', '<']).next()?.trim();
+        let line = match self.cfg.style {
+            Style::Bare => completion.split(['\n', '<']).next()?.trim().to_string(),
+            Style::Boxed => crate::parse::boxed(completion)?.replace([' ', ','], ""),
+        };
         let ok = !line.is_empty() && line.trim_start_matches('-').chars().all(|c| c.is_ascii_digit());
-        ok.then(|| line.to_string())
+        ok.then_some(line)
     }
 
     fn reference_completion(&self, p: &Problem) -> Option<String> {
-        p.answer.as_ref().map(|a| format!("{a}\n"))
+        let a = p.answer.as_ref()?;
+        Some(match self.cfg.style {
+            Style::Bare => format!("{a}\n"),
+            Style::Boxed => format!("{} The answer is \\boxed{{{a}}}.", worked(&p.question)?),
+        })
     }
 
     fn rubric(&self) -> &Rubric {
@@ -336,6 +414,60 @@ mod tests {
     }
 
     #[test]
+    fn boxed_style_asks_in_words_and_grades_the_last_box() {
+        let env = Arith::new(ArithConfig {
+            style: Style::Boxed,
+            levels: vec![Level {
+                digits: 2,
+                operands: 3,
+                operators: "+-".into(),
+            }],
+            ..Default::default()
+        })
+        .unwrap();
+        let p = Problem {
+            id: "x".into(),
+            env: "arith".into(),
+            question: "7-3+90".into(),
+            answer: Some("94".into()),
+            info: serde_json::Value::Null,
+        };
+        assert_eq!(
+            env.prompt(&p).text,
+            "What is 7 - 3 + 90?\nPut the final answer in \\boxed{}."
+        );
+        assert_eq!(
+            env.reference_completion(&p).unwrap(),
+            "7 - 3 = 4, 4 + 90 = 94. The answer is \\boxed{94}."
+        );
+        let score = |c: &str| {
+            env.rubric()
+                .score(&ScoreInput {
+                    problem: &p,
+                    completion: c,
+                    parsed: env.parse_answer(c).as_deref(),
+                    exec: None,
+                })
+                .reward
+        };
+        assert_eq!(score("\\boxed{93} no, \\boxed{ 94 }"), 1.0, "the last box counts");
+        assert_eq!(score("7 - 3 + 90 = 94"), 0.0, "an unboxed answer is no answer");
+        assert_eq!(score("\\boxed{94.5}"), 0.0);
+        assert_eq!(score("\\boxed{-94}"), 0.0);
+        // Every generated problem's reference solution earns the full reward, with `*` too.
+        let env = Arith::new(ArithConfig {
+            style: Style::Boxed,
+            ..Default::default()
+        })
+        .unwrap();
+        for seed in 0..200 {
+            let p = env.sample(Split::Train, seed);
+            let r = env.reference_completion(&p).unwrap();
+            assert_eq!(env.parse_answer(&r), p.answer, "{r}");
+        }
+    }
+
+    #[test]
     fn splits_are_disjoint_and_deterministic() {
         let env = Arith::new(ArithConfig::default()).unwrap();
         let train: std::collections::HashSet<String> =
@@ -358,6 +490,7 @@ mod tests {
             }],
             eval_every: 1,
             partial_credit: -1.0,
+            style: Style::Bare,
         };
         let errs = Arith::new(cfg).unwrap_err().join("\n");
         for want in [

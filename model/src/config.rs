@@ -562,7 +562,30 @@ pub fn preset(name: &str, vocab: usize) -> Result<HfConfig> {
     let (d, layers, heads, kv, ff) = match name {
         "tiny" => (128, 2, 4, 2, 384),
         "small" => (256, 4, 8, 4, 768),
-        other => return Err(Error::Config(vec![format!("unknown preset `{other}` (tiny, small)")])),
+        // SmolLM2-135M's shape (Llama, grouped-query attention, tied head): for benchmarks
+        // and tests of a real model's size without its weights.
+        "smollm2" => {
+            return Ok(HfConfig {
+                model_type: Some("llama".into()),
+                vocab_size: vocab,
+                hidden_size: 576,
+                intermediate_size: 1536,
+                num_hidden_layers: 30,
+                num_attention_heads: 9,
+                num_key_value_heads: Some(3),
+                head_dim: Some(64),
+                rms_norm_eps: 1e-5,
+                rope_theta: 100_000.0,
+                max_position_embeddings: 2048,
+                tie_word_embeddings: true,
+                ..Default::default()
+            });
+        }
+        other => {
+            return Err(Error::Config(vec![format!(
+                "unknown preset `{other}` (tiny, small, smollm2)"
+            )]));
+        }
     };
     Ok(HfConfig {
         model_type: Some("qwen3".into()),

@@ -35,6 +35,11 @@ pub enum Which {
         /// New tokens per sequence.
         #[arg(long, default_value_t = 64)]
         tokens: usize,
+        /// Model shapes (comma-separated presets, randomly initialised): tiny, small, and
+        /// smollm2 (SmolLM2-135M's shape and vocabulary; batch 1 and 32, recompute at batch
+        /// 1, no mixed workloads: they would take many minutes at this size).
+        #[arg(long, value_delimiter = ',', default_value = "tiny,small")]
+        preset: Vec<String>,
     },
     /// Wall time per RL step through the whole pipeline with max_async_level 0 vs 2, on a
     /// workload whose generation lengths have a heavy tail.
@@ -134,7 +139,7 @@ pub async fn run(which: Which) -> Result<()> {
             python,
             rounds,
         } => sandbox::run(n, concurrency, pool_size, python, rounds.max(1)),
-        Which::Generate { tokens } => generate::generate(tokens),
+        Which::Generate { tokens, preset } => generate::generate(tokens, &preset),
         Which::Weights { versions } => weights::run(versions.max(1)),
         Which::Scale {
             bus,

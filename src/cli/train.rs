@@ -54,7 +54,7 @@ pub struct SftArgs {
     /// Start from this checkpoint (default: a fresh model of `--preset`).
     #[arg(long)]
     checkpoint: Option<PathBuf>,
-    /// Size of a fresh model: tiny or small.
+    /// Size of a fresh model: tiny, small or smollm2 (a named preset).
     #[arg(long, default_value = "tiny")]
     preset: String,
     /// Optimizer steps.
@@ -200,6 +200,9 @@ pub struct EvalArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also print the greedy completions of the first N problems.
+    #[arg(long, default_value_t = 0)]
+    show: usize,
 }
 
 pub use streamrl_stages::eval::EvalReport;
@@ -233,6 +236,15 @@ pub fn eval(a: EvalArgs) -> Result<()> {
             println!("  pass@{:<2} (T=1)     {:.1}%", r.k, 100.0 * p);
             println!("  sampled accuracy  {:.1}%", 100.0 * s);
         }
+        for g in r.greedy.iter().take(a.show) {
+            println!(
+                "\n{} (answer {}; reward {})\n  {:?}",
+                g.question,
+                g.answer.as_deref().unwrap_or("-"),
+                g.reward,
+                g.completion
+            );
+        }
     }
     Ok(())
 }
@@ -249,7 +261,7 @@ pub struct SftSpec {
     /// Start from this checkpoint instead of a fresh model.
     #[serde(default)]
     pub checkpoint: Option<PathBuf>,
-    /// Fresh model size (tiny or small).
+    /// Fresh model size (tiny, small or smollm2).
     #[serde(default = "tiny")]
     pub preset: String,
     /// Optimizer steps.

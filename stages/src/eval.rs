@@ -29,6 +29,21 @@ pub struct EvalReport {
     pub sampled_accuracy: Option<f64>,
     /// Seconds.
     pub seconds: f64,
+    /// Every problem's greedy completion and reward, in eval-split order.
+    pub greedy: Vec<GreedySample>,
+}
+
+/// One held-out problem's greedy completion.
+#[derive(Debug, Clone, Serialize)]
+pub struct GreedySample {
+    /// The problem's question.
+    pub question: String,
+    /// The reference answer.
+    pub answer: Option<String>,
+    /// What the model wrote.
+    pub completion: String,
+    /// The rubric's reward.
+    pub reward: f32,
 }
 
 /// Evaluates `model` on the first `n` held-out problems of `env`: one greedy completion
@@ -95,12 +110,14 @@ pub fn evaluate(
             .reward
     };
     let mut greedy = vec![0f32; n];
+    let mut texts = vec![String::new(); n];
     let mut sampled = vec![vec![0f32; k]; n];
     for o in engine.run_to_completion().map_err(|e| e.to_string())? {
         let (i, j) = ids[&o.id];
         let r = score(&problems[i], &o.text);
         if j == usize::MAX {
             greedy[i] = r;
+            texts[i] = o.text;
         } else {
             sampled[i][j] = r;
         }
@@ -115,5 +132,16 @@ pub fn evaluate(
         sampled_accuracy: (k > 0)
             .then(|| sampled.iter().flatten().filter(|r| **r >= 1.0).count() as f64 / (nf * k as f64)),
         seconds: t0.elapsed().as_secs_f64(),
+        greedy: problems
+            .iter()
+            .zip(texts)
+            .zip(&greedy)
+            .map(|((p, completion), &reward)| GreedySample {
+                question: p.question.clone(),
+                answer: p.answer.clone(),
+                completion,
+                reward,
+            })
+            .collect(),
     })
 }
