@@ -63,6 +63,9 @@ pub mod name {
     pub const STEP_SECONDS: &str = "step_seconds";
     /// Training tokens per second of the step.
     pub const TOKENS_PER_S: &str = "tokens_per_s";
+    /// Mixture-of-experts load imbalance: the largest `(max tokens per expert − mean) /
+    /// mean` over the step's MoE layers (only for MoE models).
+    pub const MOE_IMBALANCE: &str = "moe_imbalance";
     /// `staleness_<k>`: samples `k` versions behind the trainer.
     pub const STALENESS_PREFIX: &str = "staleness_";
     /// Mean held-out greedy accuracy over the environments (every `eval_every` versions).
@@ -122,6 +125,8 @@ pub struct StepMetrics {
     pub step_seconds: f64,
     /// [`name::TOKENS_PER_S`].
     pub tokens_per_s: f64,
+    /// [`name::MOE_IMBALANCE`] (`None`: a dense model, no row).
+    pub moe_imbalance: Option<f64>,
     /// Samples by versions behind the trainer ([`name::STALENESS_PREFIX`]).
     pub staleness: BTreeMap<u64, u64>,
 }
@@ -161,6 +166,9 @@ impl StepMetrics {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
+        if let Some(v) = self.moe_imbalance {
+            rows.push((name::MOE_IMBALANCE.to_string(), v));
+        }
         for (k, c) in &self.staleness {
             rows.push((format!("{}{k}", name::STALENESS_PREFIX), *c as f64));
         }

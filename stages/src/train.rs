@@ -120,6 +120,10 @@ pub struct StepReport {
     pub mismatch_kl: f32,
     /// Largest |trainer − sampler| logprob over the step's trainable tokens.
     pub max_logprob_diff: f32,
+    /// Mixture-of-experts routing: the largest `(max tokens per expert − mean) / mean`
+    /// over the MoE layers and micro-batches of the step (0: perfectly balanced); `None`
+    /// for a dense model.
+    pub moe_imbalance: Option<f32>,
     /// Clip fraction (clipped losses).
     pub clip_fraction: f32,
     /// Mean entropy of the trainer's next-token distributions on trainable tokens.
@@ -296,19 +300,23 @@ impl Learner {
                 Ok(((l * w as f64)?, m))
             };
             let coef = self.cfg.balance_coef as f64;
-            let (g, logits, m) = if self.cfg.activation_checkpointing {
+            let (g, logits, m, moe) = if self.cfg.activation_checkpointing {
                 let mut metrics = None;
-                let (g, logits, _) = self.model.backward_checkpointed(&packed, coef, |lg| {
+                let (g, logits, aux) = self.model.backward_checkpointed(&packed, coef, |lg| {
                     let (l, m) = loss_of(lg)?;
                     metrics = Some(m);
                     Ok(l)
                 })?;
-                (g, logits, metrics.expect("the head loss ran"))
+                (g, logits, metrics.expect("the head loss ran"), aux.moe)
             } else {
                 let (logits, aux) = self.model.forward(&packed)?;
                 let (l, m) = loss_of(&logits)?;
-                ((l + (aux.balance_loss * coef)?)?.backward()?, logits, m)
+                let g = (l + (aux.balance_loss * coef)?)?.backward()?;
+                (g, logits, m, aux.moe)
             };
+            if let Some(worst) = moe.iter().map(|s| s.imbalance).reduce(f32::max) {
+                report.moe_imbalance = Some(report.moe_imbalance.map_or(worst, |w| w.max(worst)));
+            }
             let ent = masked_entropy(
                 &logits,
                 &Tensor::from_vec(ent_mask, packed.tokens.dims(), &Device::Cpu)?,

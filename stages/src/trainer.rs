@@ -641,6 +641,7 @@ impl TrainerStage {
             } else {
                 0.0
             },
+            moe_imbalance: report.moe_imbalance.map(f64::from),
             staleness,
         }
         .rows();

@@ -1080,11 +1080,36 @@ fn few_shot_and_system_prompts_render_through_the_checkpoint_template() {
     assert!(err[0].contains("envs.tool") && err[0].contains("bogus"), "{err:?}");
 }
 
+/// A tiny Qwen3-MoE checkpoint (4 experts, 2 per token) with the character tokenizer.
+fn tiny_moe(dir: &Path, seed: u64) {
+    let tok = Tokenizer::char_level();
+    let mut hf = config::preset("tiny", tok.vocab_size()).unwrap();
+    hf.model_type = Some("qwen3_moe".into());
+    hf.num_experts = Some(4);
+    hf.num_experts_per_tok = Some(2);
+    hf.moe_intermediate_size = Some(96);
+    let l = checkpoint::init_seeded(&hf, &Device::Cpu, Some(seed)).unwrap();
+    checkpoint::save(dir, &hf, &l.vars, Some(&tok), None).unwrap();
+}
+
+/// Dense and MoE: the same losses, gradient norms and entropies with and without activation
+/// checkpointing; an MoE model's steps report its routing imbalance (the same either way),
+/// a dense model's none.
 #[test]
 fn the_learner_steps_the_same_with_activation_checkpointing() {
+    for moe in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        if moe {
+            tiny_moe(dir.path(), 5);
+        } else {
+            tiny(dir.path(), 5);
+        }
+        learner_steps_the_same_with_activation_checkpointing(dir.path(), moe);
+    }
+}
+
+fn learner_steps_the_same_with_activation_checkpointing(dir: &Path, moe: bool) {
     use streamrl_stages::train::{Learner, TrainConfig, TrainSample};
-    let dir = tempfile::tempdir().unwrap();
-    tiny(dir.path(), 5);
     let batch: Vec<TrainSample> = (0..6u32)
         .map(|i| TrainSample {
             prompt: vec![10 + i, 11, 12],
@@ -1101,7 +1126,7 @@ fn the_learner_steps_the_same_with_activation_checkpointing() {
             pack_len: 16,
             ..Default::default()
         };
-        let mut l = Learner::load(dir.path(), cfg).unwrap();
+        let mut l = Learner::load(dir, cfg).unwrap();
         let first = l.step(&batch).unwrap();
         let second = l.step(&batch).unwrap();
         (first, second)
@@ -1117,5 +1142,14 @@ fn the_learner_steps_the_same_with_activation_checkpointing() {
             b.grad_norm
         );
         assert!((a.entropy - b.entropy).abs() < 1e-5);
+        match (moe, a.moe_imbalance, b.moe_imbalance) {
+            (false, None, None) => {}
+            (true, Some(x), Some(y)) => {
+                // A randomly initialised router is never perfectly balanced.
+                assert!(x.is_finite() && x > 0.0, "imbalance {x}");
+                assert!((x - y).abs() < 1e-6, "{x} vs {y}");
+            }
+            other => panic!("moe {moe}: imbalance {other:?}"),
+        }
     }
 }
