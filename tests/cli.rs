@@ -15,21 +15,28 @@ fn streamrl(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// The `.yaml` files of a folder of the repository, as sorted paths relative to its root.
+fn yaml_files(folder: &str) -> Vec<String> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(folder);
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .map(|p| format!("{folder}/{}", p.file_name().unwrap().to_str().unwrap()))
+        .collect();
+    files.sort();
+    files
+}
+
 /// Every topology under `tests/fixtures/topologies/`: `validate` reports exactly the
 /// problems its header lists (`# expect: KEY.PATH: text the message contains`), in one
 /// run, or accepts it when it lists none. A new case is a new file.
 #[test]
 fn validate_reports_exactly_what_each_fixture_expects() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/topologies");
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
-        .collect();
-    files.sort();
-    assert!(files.len() >= 2, "no fixtures in {}", dir.display());
-    for file in files {
-        let text = std::fs::read_to_string(&file).unwrap();
+    let files = yaml_files("tests/fixtures/topologies");
+    assert!(files.len() >= 2, "no fixtures in tests/fixtures/topologies");
+    for rel in &files {
+        let text = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)).unwrap();
         let expected: Vec<(&str, &str)> = text
             .lines()
             .filter_map(|l| l.strip_prefix("# expect: "))
@@ -38,7 +45,6 @@ fn validate_reports_exactly_what_each_fixture_expects() {
                 (path, what)
             })
             .collect();
-        let rel = file.strip_prefix(env!("CARGO_MANIFEST_DIR")).unwrap().to_str().unwrap();
         let (ok, out, err) = streamrl(&["validate", "--topology", rel]);
         if expected.is_empty() {
             assert!(ok, "{rel} lists no problems but validate failed:\n{err}");
@@ -64,15 +70,9 @@ fn validate_reports_exactly_what_each_fixture_expects() {
 /// Every topology shipped under `topologies/` validates (they are documented entry points).
 #[test]
 fn the_shipped_topologies_are_valid() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("topologies");
-    let files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
-        .collect();
-    assert!(!files.is_empty(), "no topologies in {}", dir.display());
-    for file in files {
-        let rel = file.strip_prefix(env!("CARGO_MANIFEST_DIR")).unwrap().to_str().unwrap();
+    let files = yaml_files("topologies");
+    assert!(!files.is_empty(), "no topologies in topologies/");
+    for rel in &files {
         let (ok, out, err) = streamrl(&["validate", "--topology", rel]);
         assert!(ok && out.contains("is valid"), "{rel}:\n{out}{err}");
     }

@@ -1,7 +1,7 @@
 //! A real pretrained model through the whole RL loop: SmolLM2-135M-Instruct, imported from
-//! its GGUF with `streamrl model import`, answers `arith` problems (`What is 47 - 85?`, the answer in `\boxed{}`) as
-//! `topologies/smollm2.yaml` sets them up, after its SFT warm start, under its own chat
-//! template and BPE tokenizer; source → rollout → reward → mask → trainer run a few steps,
+//! its GGUF with `streamrl model import`, answers `arith` problems (`What is 47 - 85?`, the
+//! answer in `\boxed{}`) as `topologies/smollm2.yaml` sets them up, after its SFT warm
+//! start, under its own chat template and BPE tokenizer; source → rollout → reward → mask → trainer run a few steps,
 //! and the logprobs the rollout engine recorded while sampling equal the trainer's
 //! recomputation of the same tokens with the same weights.
 

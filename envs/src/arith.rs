@@ -128,10 +128,9 @@ fn spaced(expr: &str) -> String {
 /// One reasoning line: a `+`/`-` chain worked left to right (`7 - 3 = 4, 4 + 9 = 13.`),
 /// anything else evaluated in one go (`7 - 3 * 2 = 1.`).
 fn worked(expr: &str) -> Option<String> {
-    let value = evaluate(expr)?;
     let operands: Vec<&str> = expr.split(['+', '-']).collect();
     if expr.contains('*') || operands.len() <= 2 {
-        return Some(format!("{} = {value}.", spaced(expr)));
+        return Some(format!("{} = {}.", spaced(expr), evaluate(expr)?));
     }
     let ops: Vec<char> = expr.chars().filter(|c| *c == '+' || *c == '-').collect();
     let mut acc: i128 = operands[0].parse().ok()?;
