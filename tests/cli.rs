@@ -133,3 +133,26 @@ fn model_init_writes_a_loadable_checkpoint() {
     let (ok, _, err) = streamrl(&["model", "init", "--preset", "huge", "--out", out.to_str().unwrap()]);
     assert!(!ok && err.contains("unknown preset `huge`"), "{err}");
 }
+
+/// A CUDA device asked for of a build without the `cuda` feature (or of a machine without
+/// the driver) is one clear error, never a panic.
+#[test]
+fn cuda_without_a_gpu_is_one_clear_error() {
+    let (ok, _, err) = streamrl(&["eval", "--device", "cuda", "--checkpoint", "."]);
+    assert!(!ok);
+    assert!(err.contains("device `cuda:0`: "), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    if cfg!(feature = "cuda") {
+        assert!(err.contains("no NVIDIA driver") || err.contains("cuda:0"), "{err}");
+    } else {
+        assert!(
+            err.contains("built without CUDA") && err.contains("--features cuda"),
+            "{err}"
+        );
+    }
+    let (ok, _, err) = streamrl(&["eval", "--device", "gpu", "--checkpoint", "."]);
+    assert!(
+        !ok && err.contains("device `gpu`: expected `cpu`, `cuda` or `cuda:N`"),
+        "{err}"
+    );
+}

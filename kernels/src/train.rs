@@ -268,9 +268,33 @@ pub fn logprobs_forward(
     temp: f32,
     out: &mut [f32],
 ) {
-    cpu::vectorized(|| logprobs_forward_rows(logits, tokens, batch, seq, vocab, temp, out))
+    cpu::vectorized(|| logprobs_forward_rows(logits, tokens, batch, seq, vocab, temp, out, None))
 }
 
+/// [`logprobs_forward`] that also writes the entropy (nats) of every next-token
+/// distribution at `temp`, aligned the same way (`entropy[b, 0] = 0`), in the same pass
+/// over the logits: `H = ln Σ e^(z − max) − Σ e^(z − max)(z − max) / Σ e^(z − max)`.
+#[allow(clippy::too_many_arguments)]
+pub fn logprobs_entropy_forward(
+    logits: &[f32],
+    tokens: &[u32],
+    batch: usize,
+    seq: usize,
+    vocab: usize,
+    temp: f32,
+    out: &mut [f32],
+    entropy: &mut [f32],
+) {
+    assert_eq!(
+        entropy.len(),
+        batch * seq,
+        "entropy: {} values for {batch}×{seq}",
+        entropy.len()
+    );
+    cpu::vectorized(|| logprobs_forward_rows(logits, tokens, batch, seq, vocab, temp, out, Some(entropy)))
+}
+
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn logprobs_forward_rows(
     logits: &[f32],
@@ -280,6 +304,7 @@ fn logprobs_forward_rows(
     vocab: usize,
     temp: f32,
     out: &mut [f32],
+    mut entropy: Option<&mut [f32]>,
 ) {
     assert!(
         logits.len() == batch * seq * vocab && tokens.len() == batch * seq && out.len() == batch * seq,
@@ -290,12 +315,24 @@ fn logprobs_forward_rows(
     );
     for b in 0..batch {
         out[b * seq] = 0.0;
+        if let Some(e) = entropy.as_deref_mut() {
+            e[b * seq] = 0.0;
+        }
         for i in 1..seq {
             let row = &logits[(b * seq + i - 1) * vocab..(b * seq + i) * vocab];
             let tok = tokens[b * seq + i] as usize;
             assert!(tok < vocab, "logprobs: token {tok} outside the vocabulary of {vocab}");
-            let (max, lse) = log_sum_exp(row, temp);
-            out[b * seq + i] = row[tok] / temp - max - lse;
+            match entropy.as_deref_mut() {
+                None => {
+                    let (max, lse) = log_sum_exp(row, temp);
+                    out[b * seq + i] = row[tok] / temp - max - lse;
+                }
+                Some(e) => {
+                    let (max, lse, h) = log_sum_exp_entropy(row, temp);
+                    out[b * seq + i] = row[tok] / temp - max - lse;
+                    e[b * seq + i] = h;
+                }
+            }
         }
     }
 }
@@ -370,6 +407,35 @@ fn log_sum_exp(row: &[f32], temp: f32) -> (f32, f32) {
     }
     let tail: f32 = row[split..].iter().map(|&v| cpu::exp(v * inv - max)).sum();
     (max, (acc.iter().sum::<f32>() + tail).ln())
+}
+
+/// `(max, ln Σ e^(z − max), entropy)` of a row's softmax at `temp` (`z = x / temp`), in
+/// one pass after the max. Entries at −∞ have probability 0 and add nothing.
+#[inline(always)]
+fn log_sum_exp_entropy(row: &[f32], temp: f32) -> (f32, f32, f32) {
+    let inv = 1.0 / temp;
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * inv;
+    let (mut s, mut t) = ([0f32; 16], [0f32; 16]);
+    let split = row.len() / 16 * 16;
+    for c in row[..split].chunks_exact(16) {
+        for l in 0..16 {
+            let z = c[l] * inv - max;
+            let e = cpu::exp(z);
+            s[l] += e;
+            // e = 0 exactly where z = −∞ (0 · −∞ would be NaN).
+            t[l] += if e > 0.0 { e * z } else { 0.0 };
+        }
+    }
+    let (mut st, mut tt) = (0f32, 0f32);
+    for &v in &row[split..] {
+        let z = v * inv - max;
+        let e = cpu::exp(z);
+        st += e;
+        tt += if e > 0.0 { e * z } else { 0.0 };
+    }
+    let sum = s.iter().sum::<f32>() + st;
+    let lse = sum.ln();
+    (max, lse, lse - (t.iter().sum::<f32>() + tt) / sum)
 }
 
 /// The AdamW hyper-parameters of one update, with the bias corrections of its step.

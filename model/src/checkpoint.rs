@@ -1,6 +1,7 @@
 //! Checkpoints in the Hugging Face layout: `config.json`, `model.safetensors` (or sharded
 //! with `model.safetensors.index.json`) and `tokenizer.json`. Written atomically (a
-//! temporary directory renamed into place); loaded into trainable f32 variables.
+//! temporary directory renamed into place); loaded into trainable f32 or bf16 variables
+//! ([`load_as`]), saved in the dtype they have.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -37,13 +38,19 @@ pub fn init(hf: &HfConfig, device: &Device) -> Result<Loaded> {
 /// be overwritten by a checkpoint. (candle's own randn draws ~2 M values/s here: a 135M
 /// model took a minute to initialise.)
 pub fn init_seeded(hf: &HfConfig, device: &Device, seed: Option<u64>) -> Result<Loaded> {
+    init_as(hf, device, DType::F32, seed)
+}
+
+/// [`init_seeded`] with weights of `dtype` (f32 or bf16; values drawn in f32, then
+/// rounded).
+pub fn init_as(hf: &HfConfig, device: &Device, dtype: DType, seed: Option<u64>) -> Result<Loaded> {
     let config = hf.resolve()?;
     let vars = VarMap::new();
     let backend = FastInit {
         vars: vars.clone(),
         seed,
     };
-    let vb = VarBuilder::from_backend(Box::new(backend), DType::F32, device.clone());
+    let vb = VarBuilder::from_backend(Box::new(backend), dtype, device.clone());
     let model = Transformer::load(vb, &config)?;
     Ok(Loaded {
         hf: hf.clone(),
@@ -172,7 +179,7 @@ pub fn save(
             let mut shards: Vec<HashMap<String, Tensor>> = vec![HashMap::new()];
             let mut size = 0;
             for (k, t) in tensors {
-                let bytes = t.elem_count() * 4;
+                let bytes = t.elem_count() * t.dtype().size_in_bytes();
                 if size > 0 && size + bytes > limit {
                     shards.push(HashMap::new());
                     size = 0;
@@ -200,7 +207,8 @@ pub fn save(
     let mut hf = hf.clone();
     hf.extra
         .insert("architectures".into(), serde_json::json!([architecture(&hf)]));
-    hf.extra.insert("torch_dtype".into(), serde_json::json!("float32"));
+    let dtype = tensors_dtype(vars)?;
+    hf.extra.insert("torch_dtype".into(), serde_json::json!(dtype));
     let p = tmp.join("config.json");
     std::fs::write(&p, serde_json::to_string_pretty(&hf).unwrap_or_default()).map_err(Error::io("writing", &p))?;
     if let Some(t) = tokenizer {
@@ -211,6 +219,19 @@ pub fn save(
     }
     std::fs::rename(&tmp, dir).map_err(Error::io("renaming into", dir))?;
     Ok(hex::encode(hasher.finalize()))
+}
+
+/// The `torch_dtype` name of the variables' dtype (`float32` unless every one is bf16).
+fn tensors_dtype(vars: &VarMap) -> Result<&'static str> {
+    let data = vars
+        .data()
+        .lock()
+        .map_err(|_| Error::Shape("var map lock poisoned".into()))?;
+    Ok(if !data.is_empty() && data.values().all(|v| v.dtype() == DType::BF16) {
+        "bfloat16"
+    } else {
+        "float32"
+    })
 }
 
 fn architecture(hf: &HfConfig) -> &'static str {
@@ -254,8 +275,13 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 /// Loads a checkpoint directory onto `device` as trainable f32 variables. Every weight the
 /// model needs must be present with the right shape; all problems are reported at once.
 pub fn load(dir: &Path, device: &Device) -> Result<Loaded> {
+    load_as(dir, device, DType::F32)
+}
+
+/// [`load`] into variables of `dtype` (f32 or bf16), whatever dtype the files hold.
+pub fn load_as(dir: &Path, device: &Device, dtype: DType) -> Result<Loaded> {
     let hf = HfConfig::load(&dir.join("config.json"))?;
-    let mut loaded = init_seeded(&hf, device, None)?;
+    let mut loaded = init_as(&hf, device, dtype, None)?;
     let mut weights: HashMap<String, Tensor> = HashMap::new();
     for f in weight_files(dir)? {
         weights.extend(candle_core::safetensors::load(&f, device)?);
@@ -276,7 +302,7 @@ pub fn load(dir: &Path, device: &Device) -> Result<Loaded> {
                 Some(t) if t.dims() != var.dims() => {
                     problems.push(format!("`{name}` is {:?}, the model needs {:?}", t.dims(), var.dims()))
                 }
-                Some(t) => var.set(&t.to_dtype(DType::F32)?)?,
+                Some(t) => var.set(&t.to_dtype(dtype)?)?,
             }
         }
         // A tensor the model does not use means the checkpoint computes something this

@@ -505,7 +505,7 @@ impl Engine {
                 });
             }
         }
-        let loaded = checkpoint::load(dir, self.model.device())?;
+        let loaded = checkpoint::load_as(dir, self.model.device(), self.model.dtype())?;
         self.swap(loaded.model, version)
     }
 

@@ -42,6 +42,9 @@ pub enum Error {
     /// Inputs of the wrong shape or length.
     #[error("{0}")]
     Shape(String),
+    /// The device asked for cannot be used (no CUDA build, no driver, no such device).
+    #[error("{0}")]
+    Device(String),
     /// A generation request is invalid; every problem is listed.
     #[error("invalid request: {0}")]
     Request(String),

@@ -34,6 +34,12 @@ pub fn supported(t: &Tensor) -> bool {
     t.device().is_cpu() && t.dtype() == DType::F32
 }
 
+/// Whether the fused logprobs ([`token_logprobs`], [`token_logprobs_entropy`]) can run on
+/// `t`: f32 on the CPU, or on a CUDA device in a build with the `cuda` feature.
+pub fn logprobs_supported(t: &Tensor) -> bool {
+    supported(t) || (cfg!(feature = "cuda") && t.device().is_cuda() && t.dtype() == DType::F32)
+}
+
 fn slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> CResult<&'a [f32]> {
     let CpuStorage::F32(v) = s else {
         candle_core::bail!("{what}: f32 input expected, got {:?}", s.dtype())
@@ -572,6 +578,27 @@ impl CustomOp3 for AttentionOp {
 /// `temperature`, aligned like [`crate::token_logprobs`] (column 0 is 0), without
 /// materialising the log-softmax.
 pub fn token_logprobs(logits: &Tensor, tokens: &Tensor, temperature: f64) -> CResult<Tensor> {
+    logprobs_op(logits, tokens, temperature, None)
+}
+
+/// [`token_logprobs`] and, from the same pass over the logits, the entropy (nats) of
+/// every next-token distribution at `temperature` `(batch, seq)`, aligned the same way
+/// and not differentiated. Neither materialises the log-softmax.
+pub fn token_logprobs_entropy(logits: &Tensor, tokens: &Tensor, temperature: f64) -> CResult<(Tensor, Tensor)> {
+    let slot = Arc::new(std::sync::Mutex::new(None));
+    let lp = logprobs_op(logits, tokens, temperature, Some(slot.clone()))?;
+    let entropy = slot
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("entropy slot poisoned".into()))?
+        .take()
+        .ok_or_else(|| candle_core::Error::Msg("token_logprobs_entropy: the forward wrote no entropy".into()))?;
+    Ok((lp, entropy))
+}
+
+/// Where the fused logprobs op leaves the entropy it computed on the way.
+type EntropySlot = Arc<std::sync::Mutex<Option<Tensor>>>;
+
+fn logprobs_op(logits: &Tensor, tokens: &Tensor, temperature: f64, entropy: Option<EntropySlot>) -> CResult<Tensor> {
     let (b, t, vocab) = logits.dims3()?;
     let toks = tokens.flatten_all()?.to_vec1::<u32>()?;
     if toks.len() != b * t {
@@ -583,12 +610,14 @@ pub fn token_logprobs(logits: &Tensor, tokens: &Tensor, temperature: f64) -> CRe
     logits.contiguous()?.apply_op1(LogprobsOp {
         tokens: toks,
         temp: temperature as f32,
+        entropy,
     })
 }
 
 struct LogprobsOp {
     tokens: Vec<u32>,
     temp: f32,
+    entropy: Option<EntropySlot>,
 }
 
 impl CustomOp1 for LogprobsOp {
@@ -604,11 +633,48 @@ impl CustomOp1 for LogprobsOp {
             )
         };
         let mut out = vec![0f32; b * t];
-        train::logprobs_forward(slice(s, l, "logits")?, &self.tokens, b, t, v, self.temp, &mut out);
+        let logits = slice(s, l, "logits")?;
+        match &self.entropy {
+            None => train::logprobs_forward(logits, &self.tokens, b, t, v, self.temp, &mut out),
+            Some(slot) => {
+                let mut ent = vec![0f32; b * t];
+                train::logprobs_entropy_forward(logits, &self.tokens, b, t, v, self.temp, &mut out, &mut ent);
+                *slot
+                    .lock()
+                    .map_err(|_| candle_core::Error::Msg("entropy slot poisoned".into()))? =
+                    Some(tensor(ent, &Shape::from((b, t)))?);
+            }
+        }
         Ok((CpuStorage::F32(out), Shape::from((b, t))))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> CResult<(candle_core::CudaStorage, Shape)> {
+        let &[b, t, _v] = l.dims() else {
+            candle_core::bail!(
+                "token_logprobs: logits (batch, seq, vocab) expected, got {:?}",
+                l.dims()
+            )
+        };
+        let (lp, ent) = crate::cuda::logprobs_fwd(s, l, &self.tokens, self.temp, self.entropy.is_some())?;
+        if let (Some(slot), Some(ent)) = (&self.entropy, ent) {
+            *slot
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("entropy slot poisoned".into()))? = Some(Tensor::from_storage(
+                Storage::Cuda(ent),
+                (b, t),
+                candle_core::op::BackpropOp::none(),
+                false,
+            ));
+        }
+        Ok((lp, Shape::from((b, t))))
+    }
+
     fn bwd(&self, logits: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if logits.device().is_cuda() {
+            return Ok(Some(crate::cuda::logprobs_bwd(logits, &self.tokens, self.temp, g)?));
+        }
         let (b, t, v) = logits.dims3()?;
         let g = g.contiguous()?;
         let mut d = vec![0f32; b * t * v];

@@ -21,6 +21,9 @@
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
+#[cfg(feature = "cuda")]
+mod cuda;
+pub mod device;
 pub mod engine;
 mod error;
 pub mod fused;
@@ -30,8 +33,11 @@ pub mod infer;
 pub mod loss;
 pub mod model;
 pub mod optim;
+pub mod parity;
 pub mod tokenizer;
 
 pub use error::{Error, Result};
-pub use model::{Aux, BatchKv, KvCache, MoeStats, Packed, Transformer, masked_entropy, token_logprobs};
+pub use model::{
+    Aux, BatchKv, KvCache, MoeStats, Packed, Transformer, masked_entropy, token_logprobs, token_logprobs_entropy,
+};
 pub use tokenizer::Tokenizer;

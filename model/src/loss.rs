@@ -157,6 +157,21 @@ impl Prepared<'_> {
 /// however large the ratios: masks are decided on the log-ratio, and a masked token's
 /// ratio never enters a product.
 pub fn compute(kind: LossKind, x: LossInputs<'_>) -> Result<(Tensor, LossMetrics)> {
+    if let LossKind::MaskedIs {
+        low,
+        high,
+        seq_low: None,
+        kl_tau,
+    } = kind
+    {
+        return masked_is_fused(x, low, high, kl_tau);
+    }
+    compute_op_by_op(kind, x)
+}
+
+/// [`compute`] from tensor ops for every kind (the reference the fused masked-IS loss is
+/// tested against).
+pub fn compute_op_by_op(kind: LossKind, x: LossInputs<'_>) -> Result<(Tensor, LossMetrics)> {
     let (p, mut m) = prepare(x)?;
     let loss = match kind {
         LossKind::MaskedIs {
@@ -172,6 +187,166 @@ pub fn compute(kind: LossKind, x: LossInputs<'_>) -> Result<(Tensor, LossMetrics
     };
     m.loss = loss.to_scalar::<f32>()?;
     Ok((loss, m))
+}
+
+/// The totals one pass of the double-sided masked IS loss accumulates (the CUDA kernel
+/// returns the same six numbers).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MaskedIsTotals {
+    /// Σ over tokens of `−keep · A · e^c + kl_tau · m · c²` (before dividing by the denominator).
+    pub loss: f32,
+    /// Σ mask.
+    pub tokens: f32,
+    /// Trainable tokens whose ratio is below `low`.
+    pub low: f32,
+    /// Trainable tokens whose ratio is above `high`.
+    pub high: f32,
+    /// Σ m · (e^c − c − 1) over trainable tokens.
+    pub kl: f32,
+    /// Largest |c| over trainable tokens.
+    pub max_abs: f32,
+}
+
+/// The double-sided masked IS loss's parameters (without the sequence mask).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MaskedIs {
+    /// Lower ratio bound.
+    pub low: f32,
+    /// Upper ratio bound.
+    pub high: f32,
+    /// Weight of the `(log r)²` penalty.
+    pub kl_tau: f32,
+}
+
+impl MaskedIs {
+    /// One token of the loss: adds its terms to `t` and returns its gradient (before
+    /// dividing by the denominator). `c` is the log-ratio clamped to ±[`MAX_LOG_RATIO`]
+    /// (0 off the mask); the mask is decided on the true ratio.
+    #[inline]
+    pub fn token(&self, lp: f32, sampler: f32, adv: f32, m: f32, t: &mut MaskedIsTotals) -> f32 {
+        let MaskedIs { low, high, kl_tau } = *self;
+        t.tokens += m;
+        if m <= 0.0 {
+            return 0.0;
+        }
+        let l = lp - sampler;
+        let l = if l.is_nan() { f32::NEG_INFINITY } else { l };
+        let r = l.exp();
+        let c = l.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO);
+        let keep = if r < low {
+            t.low += 1.0;
+            0.0
+        } else if r > high {
+            t.high += 1.0;
+            0.0
+        } else {
+            m
+        };
+        let e = c.exp();
+        t.kl += m * (e - c - 1.0);
+        t.max_abs = t.max_abs.max(c.abs());
+        t.loss += -keep * adv * e + kl_tau * m * c * c;
+        -keep * adv * e + 2.0 * kl_tau * m * c
+    }
+}
+
+/// The metrics of a masked IS pass from its totals.
+fn masked_is_metrics(t: &MaskedIsTotals) -> (f32, LossMetrics) {
+    let denom = t.tokens.max(1.0);
+    (
+        denom,
+        LossMetrics {
+            loss: t.loss / denom,
+            tokens: t.tokens,
+            masked_low: t.low / denom,
+            masked_high: t.high / denom,
+            mismatch_kl: t.kl / denom,
+            max_abs_log_ratio: t.max_abs,
+            clip_fraction: 0.0,
+        },
+    )
+}
+
+/// Double-sided masked IS (without a sequence mask) as one pass over the tokens and one
+/// op: the loss, its gradient and every metric together, on the CPU or, with the `cuda`
+/// feature, in one CUDA kernel where the logprobs live. Equal to the op-by-op loss
+/// ([`compute_op_by_op`]) in value, gradient and metrics.
+pub fn masked_is_fused(x: LossInputs<'_>, low: f32, high: f32, kl_tau: f32) -> Result<(Tensor, LossMetrics)> {
+    let n = x.logprobs.dims1()?;
+    for (name, len) in [
+        ("sampler", x.sampler.len()),
+        ("advantages", x.advantages.len()),
+        ("mask", x.mask.len()),
+    ] {
+        if len != n {
+            return Err(Error::Shape(format!(
+                "loss input `{name}` has {len} values for {n} logprobs"
+            )));
+        }
+    }
+    check_finite(&x)?;
+    #[cfg(feature = "cuda")]
+    if x.logprobs.device().is_cuda() {
+        let (totals, grad) = crate::cuda::masked_is(x.logprobs, x.sampler, x.advantages, x.mask, low, high, kl_tau)?;
+        let (denom, metrics) = masked_is_metrics(&totals);
+        let grad = (grad / denom as f64)?;
+        return Ok((attach(x.logprobs, metrics.loss, grad)?, metrics));
+    }
+    let lp = x.logprobs.to_vec1::<f32>()?;
+    let k = MaskedIs { low, high, kl_tau };
+    let mut t = MaskedIsTotals::default();
+    let grad: Vec<f32> = (0..n)
+        .map(|i| k.token(lp[i], x.sampler[i], x.advantages[i], x.mask[i], &mut t))
+        .collect();
+    let (denom, metrics) = masked_is_metrics(&t);
+    let grad = Tensor::from_vec(
+        grad.into_iter().map(|g| g / denom).collect::<Vec<_>>(),
+        n,
+        x.logprobs.device(),
+    )?;
+    Ok((attach(x.logprobs, metrics.loss, grad)?, metrics))
+}
+
+/// A scalar of value `value` whose gradient with respect to `logprobs` is `grad`.
+fn attach(logprobs: &Tensor, value: f32, grad: Tensor) -> Result<Tensor> {
+    Ok(logprobs.apply_op1(ValueWithGrad { value, grad })?)
+}
+
+/// The op [`attach`] applies: forward gives the precomputed value, backward the
+/// precomputed gradient times the incoming one.
+struct ValueWithGrad {
+    value: f32,
+    grad: Tensor,
+}
+
+impl candle_core::CustomOp1 for ValueWithGrad {
+    fn name(&self) -> &'static str {
+        "fused-masked-is-loss"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _s: &candle_core::CpuStorage,
+        _l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        Ok((
+            candle_core::CpuStorage::F32(vec![self.value]),
+            candle_core::Shape::from(()),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        crate::cuda::scalar(s, self.value)
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(self.grad.broadcast_mul(g)?))
+    }
 }
 
 /// Checks the inputs and computes what every kind shares, with the metrics every kind
@@ -455,6 +630,94 @@ mod tests {
         .unwrap();
         let g = loss.backward().unwrap();
         (m, g.get(&v).unwrap().to_vec1::<f32>().unwrap())
+    }
+
+    /// Loss, metrics and gradient of `f` on one set of inputs.
+    fn eval(
+        f: impl Fn(LossInputs<'_>) -> Result<(Tensor, LossMetrics)>,
+        lp: &[f32],
+        mu: &[f32],
+        adv: &[f32],
+        mask: &[f32],
+    ) -> (LossMetrics, Vec<f32>) {
+        let v = Var::new(lp, &Device::Cpu).unwrap();
+        let spans = [(0, lp.len())];
+        let inputs = LossInputs {
+            logprobs: v.as_tensor(),
+            sampler: mu,
+            advantages: adv,
+            mask,
+            spans: &spans,
+        };
+        let (loss, m) = f(inputs).unwrap();
+        assert_eq!(loss.to_scalar::<f32>().unwrap(), m.loss);
+        let g = loss.backward().unwrap();
+        (m, g.get(&v).unwrap().to_vec1::<f32>().unwrap())
+    }
+
+    /// The fused masked IS loss against the op-by-op one: ordinary ratios, ratios beyond
+    /// both bounds and beyond the clamp, −∞ sampler logprobs, fractional and all-zero
+    /// masks, with and without the KL penalty.
+    #[test]
+    fn fused_masked_is_equals_the_op_by_op_loss() {
+        let mut seed = 7u64;
+        let mut rnd = move || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 40) as f32 / (1u64 << 24) as f32
+        };
+        for case in 0..12 {
+            let n = 37 + case * 5;
+            let lp: Vec<f32> = (0..n).map(|_| -8.0 * rnd()).collect();
+            let mu: Vec<f32> = lp
+                .iter()
+                .enumerate()
+                .map(|(i, l)| match i % 9 {
+                    0 => l + 3.0,  // ratio e^-3: below low
+                    1 => l - 2.5,  // ratio e^2.5: above high
+                    2 => l - 30.0, // beyond the clamp
+                    3 => f32::NEG_INFINITY,
+                    _ => l + 0.6 * (rnd() - 0.5),
+                })
+                .collect();
+            let adv: Vec<f32> = (0..n).map(|_| 2.0 * rnd() - 1.0).collect();
+            let mask: Vec<f32> = (0..n)
+                .map(|i| match (case, i % 7) {
+                    (11, _) => 0.0,
+                    (_, 0) => 0.0,
+                    (_, 1) if case % 2 == 1 => 0.5,
+                    _ => 1.0,
+                })
+                .collect();
+            let kl_tau = if case % 3 == 0 { 0.1 } else { 0.0 };
+            let kind = LossKind::MaskedIs {
+                low: 0.5,
+                high: 5.0,
+                seq_low: None,
+                kl_tau,
+            };
+            let (mf, gf) = eval(|x| masked_is_fused(x, 0.5, 5.0, kl_tau), &lp, &mu, &adv, &mask);
+            let (mr, gr) = eval(|x| compute_op_by_op(kind, x), &lp, &mu, &adv, &mask);
+            let near = |a: f32, b: f32| (a - b).abs() <= 1e-5 * (1.0 + a.abs().max(b.abs()));
+            for (what, a, b) in [
+                ("loss", mf.loss, mr.loss),
+                ("tokens", mf.tokens, mr.tokens),
+                ("masked_low", mf.masked_low, mr.masked_low),
+                ("masked_high", mf.masked_high, mr.masked_high),
+                ("mismatch_kl", mf.mismatch_kl, mr.mismatch_kl),
+                ("max_abs_log_ratio", mf.max_abs_log_ratio, mr.max_abs_log_ratio),
+            ] {
+                assert!(near(a, b), "case {case}: {what} fused {a} op-by-op {b}");
+            }
+            for (i, (a, b)) in gf.iter().zip(&gr).enumerate() {
+                assert!(near(*a, *b), "case {case}: gradient[{i}] fused {a} op-by-op {b}");
+            }
+            if case == 11 {
+                assert_eq!((mf.loss, mf.tokens), (0.0, 0.0));
+                assert!(gf.iter().all(|g| *g == 0.0));
+            } else {
+                assert!(mf.masked_low > 0.0 && mf.masked_high > 0.0, "case {case}: {mf:?}");
+            }
+        }
     }
 
     fn close(a: f32, b: f32) -> bool {

@@ -87,9 +87,14 @@ impl RmsNorm {
 }
 
 impl Module for RmsNorm {
+    /// In f32 whatever the input's dtype (a bf16 mean of squares loses the small terms),
+    /// scaled by the weight in the input's dtype.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-        x.broadcast_div(&(ms + self.eps)?.sqrt()?)?.broadcast_mul(&self.w)
+        let xf = x.to_dtype(DType::F32)?;
+        let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
+        xf.broadcast_div(&(ms + self.eps)?.sqrt()?)?
+            .to_dtype(x.dtype())?
+            .broadcast_mul(&self.w)
     }
 }
 
@@ -144,8 +149,17 @@ impl Rope {
         let (b, _h, t, hd) = x.dims4()?;
         let half = hd / 2;
         let idx = positions.flatten_all()?;
-        let cos = self.cos.index_select(&idx, 0)?.reshape((b, 1, t, half))?;
-        let sin = self.sin.index_select(&idx, 0)?.reshape((b, 1, t, half))?;
+        // The tables are f32; the rotation runs in the activations' dtype.
+        let cos = self
+            .cos
+            .index_select(&idx, 0)?
+            .reshape((b, 1, t, half))?
+            .to_dtype(x.dtype())?;
+        let sin = self
+            .sin
+            .index_select(&idx, 0)?
+            .reshape((b, 1, t, half))?
+            .to_dtype(x.dtype())?;
         Ok(match self.layout {
             RopeLayout::HalfSplit => {
                 let x1 = x.narrow(D::Minus1, 0, half)?;
@@ -318,8 +332,9 @@ impl Attention {
         };
         let (k, v) = (expand(k)?, expand(v)?);
         let scale = 1.0 / (self.hd as f64).sqrt();
-        let att = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
-        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        // Scores, the (f32) mask and the softmax in f32; the products in the weights' dtype.
+        let att = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? * scale)?.broadcast_add(mask)?;
+        let att = candle_nn::ops::softmax(&att, D::Minus1)?.to_dtype(v.dtype())?;
         let y = att
             .matmul(&v)?
             .transpose(1, 2)?
@@ -427,7 +442,8 @@ impl Moe {
     fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor, MoeStats)> {
         let (n, _d) = x.dims2()?;
         let e = self.cfg.n_experts;
-        let logits = self.router.forward(x)?;
+        // Routing in f32 whatever the weights' dtype (the balance loss is f32).
+        let logits = self.router.forward(x)?.to_dtype(DType::F32)?;
         let scores = match self.cfg.score {
             RouterScore::Softmax => candle_nn::ops::softmax(&logits, D::Minus1)?,
             RouterScore::Sigmoid => candle_nn::ops::sigmoid(&logits)?,
@@ -456,12 +472,12 @@ impl Moe {
             }
             let idx_t = Tensor::new(idx.as_slice(), x.device())?;
             let xe = x.index_select(&idx_t, 0)?;
-            let w = combine.index_select(&idx_t, 0)?.narrow(1, j, 1)?;
+            let w = combine.index_select(&idx_t, 0)?.narrow(1, j, 1)?.to_dtype(x.dtype())?;
             let ye = self.experts[j].forward(&xe)?.broadcast_mul(&w)?;
             out = out.index_add(&idx_t, &ye, 0)?;
         }
         if let Some((mlp, gate)) = &self.shared {
-            let g = candle_nn::ops::sigmoid(&gate.forward(x)?)?;
+            let g = candle_nn::ops::sigmoid(&gate.forward(x)?.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?;
             out = (out + mlp.forward(x)?.broadcast_mul(&g)?)?;
         }
         // Switch-style balance loss: E · Σ_e f_e · P_e (f: routed fraction, P: mean score).
@@ -636,6 +652,11 @@ impl Transformer {
         &self.cfg
     }
 
+    /// The dtype the weights have (logits are f32 whatever it is).
+    pub fn dtype(&self) -> DType {
+        self.embed.dtype()
+    }
+
     /// The device weights live on.
     pub fn device(&self) -> &Device {
         &self.device
@@ -654,13 +675,15 @@ impl Transformer {
     }
 
     /// The head over the final normalised hidden states: the LM head, or the tied
-    /// embedding; fused when `fused`.
+    /// embedding; fused when `fused`. Logits are f32 whatever the weights' dtype (the
+    /// logprobs the losses compare come from them).
     fn logits(&self, h: &Tensor, fused: bool) -> Result<Tensor> {
         Ok(match (&self.head, fused) {
             (Some(head), on) => head.apply(h, on)?,
             (None, true) => crate::fused::linear(h, &self.embed)?,
             (None, false) => matmul_t(h, &self.embed)?,
-        })
+        }
+        .to_dtype(DType::F32)?)
     }
 
     /// The fused ops' shared state for a forward over `positions` with `mask` and no cache.
@@ -1123,7 +1146,7 @@ impl Packed {
 /// Per-token logprobs at temperature `t`: `out[b, i] = log_softmax(logits[b, i-1] / t)[tokens[b, i]]`
 /// for i ≥ 1; column 0 (which has no preceding logits) is 0. Differentiable.
 pub fn token_logprobs(logits: &Tensor, tokens: &Tensor, temperature: f64) -> Result<Tensor> {
-    if crate::fused::supported(logits) {
+    if crate::fused::logprobs_supported(logits) {
         return Ok(crate::fused::token_logprobs(logits, tokens, temperature)?);
     }
     token_logprobs_unfused(logits, tokens, temperature)
@@ -1145,6 +1168,33 @@ pub fn token_logprobs_unfused(logits: &Tensor, tokens: &Tensor, temperature: f64
     let lp = lsm.gather(&next.contiguous()?, D::Minus1)?.squeeze(D::Minus1)?;
     Ok(Tensor::cat(
         &[Tensor::zeros((b, 1), DType::F32, logits.device())?, lp],
+        1,
+    )?)
+}
+
+/// [`token_logprobs`] and the entropy (nats) of every next-token distribution at `t`
+/// `(B, T)`, aligned the same way (column 0 is 0) and not differentiated: fused in one pass
+/// over the logits where the fused ops run, op by op elsewhere.
+pub fn token_logprobs_entropy(logits: &Tensor, tokens: &Tensor, temperature: f64) -> Result<(Tensor, Tensor)> {
+    if crate::fused::logprobs_supported(logits) {
+        return Ok(crate::fused::token_logprobs_entropy(logits, tokens, temperature)?);
+    }
+    let lp = token_logprobs_unfused(logits, tokens, temperature)?;
+    Ok((lp, entropy_unfused(logits, temperature)?))
+}
+
+/// The entropy of every next-token distribution, op by op (materialises the
+/// log-softmax), aligned like [`token_logprobs`].
+pub fn entropy_unfused(logits: &Tensor, temperature: f64) -> Result<Tensor> {
+    let (b, t, _v) = logits.dims3()?;
+    if t < 2 {
+        return Ok(Tensor::zeros((b, t), DType::F32, logits.device())?);
+    }
+    let l = (logits.narrow(1, 0, t - 1)?.detach() / temperature)?;
+    let lsm = candle_nn::ops::log_softmax(&l, D::Minus1)?;
+    let ent = (lsm.exp()? * &lsm)?.sum(D::Minus1)?.neg()?;
+    Ok(Tensor::cat(
+        &[Tensor::zeros((b, 1), DType::F32, logits.device())?, ent],
         1,
     )?)
 }

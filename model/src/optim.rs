@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Tensor, Var};
+use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor, Var};
 use candle_nn::VarMap;
 use serde::{Deserialize, Serialize};
 use streamrl_kernels::train;
@@ -141,15 +141,65 @@ impl InplaceOp1 for AdamWStep<'_> {
 
 #[derive(Debug)]
 enum State {
-    AdamW { m: Vec<f32>, v: Vec<f32> },
-    Muon { momentum: Tensor },
+    /// AdamW moments on the host, updated by the fused CPU kernel (CPU parameters).
+    AdamW {
+        m: Vec<f32>,
+        v: Vec<f32>,
+    },
+    /// AdamW moments on the parameter's device, updated op by op (CUDA parameters).
+    AdamWOps {
+        m: Tensor,
+        v: Tensor,
+    },
+    Muon {
+        momentum: Tensor,
+    },
 }
 
 #[derive(Debug)]
 struct Param {
     name: String,
     var: Var,
+    /// The f32 master copy of a parameter that is not f32 (bf16): the update runs on it,
+    /// and the parameter receives it rounded.
+    master: Option<Tensor>,
     state: State,
+}
+
+impl Param {
+    /// What the update runs on: the master copy, or the (f32) parameter itself.
+    fn theta(&self) -> &Tensor {
+        self.master.as_ref().unwrap_or(self.var.as_tensor())
+    }
+
+    /// Makes `next` (f32) the parameter's value.
+    fn set(&mut self, next: Tensor) -> Result<()> {
+        match &mut self.master {
+            Some(m) => {
+                self.var.set(&next.to_dtype(self.var.dtype())?)?;
+                *m = next;
+            }
+            None => self.var.set(&next)?,
+        }
+        Ok(())
+    }
+
+    /// After an in-place update of the master copy, rounds it into the parameter.
+    fn sync_from_master(&self) -> Result<()> {
+        if let Some(m) = &self.master {
+            self.var.set(&m.to_dtype(self.var.dtype())?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Σ g² in f64 of a contiguous f32 gradient, where it lies.
+fn sum_sq(g: &Tensor) -> Result<f64> {
+    if g.device().is_cpu() {
+        crate::fused::with(g, "gradient", |v| Ok(train::sum_sq_f64(v))).map_err(Into::into)
+    } else {
+        Ok(g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?)
+    }
 }
 
 /// What one step did.
@@ -191,29 +241,51 @@ impl Optimizer {
         let mut params = Vec::new();
         for name in names {
             let var = data[name].clone();
-            if var.dtype() != DType::F32 {
-                return Err(Error::Shape(format!(
-                    "parameter `{name}` is {:?}; the optimizers train f32",
-                    var.dtype()
-                )));
-            }
+            let master = match var.dtype() {
+                DType::F32 => None,
+                DType::BF16 | DType::F16 => Some(var.to_dtype(DType::F32)?),
+                other => {
+                    return Err(Error::Shape(format!(
+                        "parameter `{name}` is {other:?}; the optimizers train f32, bf16 and f16"
+                    )));
+                }
+            };
             let state = if cfg.kind == OptimizerKind::Muon && muon_eligible(name, &var) {
                 State::Muon {
-                    momentum: var.zeros_like()?,
+                    momentum: var.zeros_like()?.to_dtype(DType::F32)?,
                 }
-            } else {
+            } else if var.device().is_cpu() {
                 State::AdamW {
                     m: vec![0.0; var.elem_count()],
                     v: vec![0.0; var.elem_count()],
                 }
+            } else {
+                let z = var.zeros_like()?.to_dtype(DType::F32)?;
+                State::AdamWOps { m: z.clone(), v: z }
             };
             params.push(Param {
                 name: name.clone(),
                 var,
+                master,
                 state,
             });
         }
         Ok(Optimizer { cfg, params, step: 0 })
+    }
+
+    /// Runs AdamW op by op from now on, as on a device without a fused kernel: the
+    /// reference the fused kernels are checked against (`crate::parity`).
+    pub fn force_op_by_op(&mut self) -> Result<()> {
+        for p in &mut self.params {
+            if let State::AdamW { m, v } = &p.state {
+                let (shape, dev) = (p.var.shape().clone(), p.var.device().clone());
+                p.state = State::AdamWOps {
+                    m: Tensor::from_slice(m, shape.clone(), &dev)?,
+                    v: Tensor::from_slice(v, shape, &dev)?,
+                };
+            }
+        }
+        Ok(())
     }
 
     /// Steps taken so far.
@@ -231,8 +303,8 @@ impl Optimizer {
         for p in &self.params {
             match grads.get(p.var.as_tensor()) {
                 Some(g) => {
-                    let g = g.contiguous()?;
-                    sq += crate::fused::with(&g, "gradient", |v| Ok(train::sum_sq_f64(v)))?;
+                    let g = g.to_dtype(DType::F32)?.contiguous()?;
+                    sq += sum_sq(&g)?;
                     contiguous.push(Some(g));
                 }
                 None => contiguous.push(None),
@@ -262,25 +334,42 @@ impl Optimizer {
                 missing += 1;
                 continue;
             };
+            let h = train::AdamW {
+                lr: lr as f32,
+                decay: (1f64 - lr * self.cfg.weight_decay) as f32,
+                beta1: b1 as f32,
+                beta2: b2 as f32,
+                scale_m,
+                scale_v,
+                eps: self.cfg.eps as f32,
+                clip,
+            };
             match &mut p.state {
-                State::AdamW { m, v } => crate::fused::with(&g, "gradient", |g| {
-                    let op = AdamWStep {
-                        grad: g,
-                        m: Mutex::new(m.as_mut_slice()),
-                        v: Mutex::new(v.as_mut_slice()),
-                        h: train::AdamW {
-                            lr: lr as f32,
-                            decay: (1f64 - lr * self.cfg.weight_decay) as f32,
-                            beta1: b1 as f32,
-                            beta2: b2 as f32,
-                            scale_m,
-                            scale_v,
-                            eps: self.cfg.eps as f32,
-                            clip,
-                        },
-                    };
-                    p.var.as_tensor().inplace_op1(&op)
-                })?,
+                State::AdamW { m, v } => {
+                    crate::fused::with(&g, "gradient", |g| {
+                        let op = AdamWStep {
+                            grad: g,
+                            m: Mutex::new(m.as_mut_slice()),
+                            v: Mutex::new(v.as_mut_slice()),
+                            h,
+                        };
+                        p.master.as_ref().unwrap_or(p.var.as_tensor()).inplace_op1(&op)
+                    })?;
+                    p.sync_from_master()?;
+                }
+                State::AdamWOps { m, v } => {
+                    let theta = p.master.as_ref().unwrap_or(p.var.as_tensor());
+                    #[cfg(feature = "cuda")]
+                    if theta.device().is_cuda() {
+                        // The fused CUDA kernel, in place.
+                        crate::cuda::adamw(theta, &g, m, v, h)?;
+                        p.sync_from_master()?;
+                        continue;
+                    }
+                    let (next, nm, nv) = adamw_ops(theta, &g, m, v, h)?;
+                    (*m, *v) = (nm, nv);
+                    p.set(next)?;
+                }
                 State::Muon { momentum } => {
                     let g = if clip != 1.0 { (g * clip as f64)? } else { g };
                     let mu = self.cfg.muon_momentum;
@@ -291,8 +380,8 @@ impl Optimizer {
                     let (r, c) = p.var.as_tensor().dims2()?;
                     // Scaled to AdamW's update RMS (Moonlight), so one lr serves both.
                     let scale = 0.2 * (r.max(c) as f64).sqrt();
-                    let next = ((p.var.as_tensor() * (1.0 - lr * self.cfg.weight_decay))? - (o * (lr * scale))?)?;
-                    p.var.set(&next)?;
+                    let next = ((p.theta() * (1.0 - lr * self.cfg.weight_decay))? - (o * (lr * scale))?)?;
+                    p.set(next)?;
                 }
             }
         }
@@ -319,9 +408,19 @@ impl Optimizer {
                         Tensor::from_slice(v, v.len(), &candle_core::Device::Cpu)?,
                     );
                 }
-                State::Muon { momentum } => {
-                    tensors.insert(format!("{}.momentum", p.name), momentum.clone());
+                State::AdamWOps { m, v } => {
+                    tensors.insert(format!("{}.exp_avg", p.name), m.flatten_all()?.to_device(&Device::Cpu)?);
+                    tensors.insert(
+                        format!("{}.exp_avg_sq", p.name),
+                        v.flatten_all()?.to_device(&Device::Cpu)?,
+                    );
                 }
+                State::Muon { momentum } => {
+                    tensors.insert(format!("{}.momentum", p.name), momentum.to_device(&Device::Cpu)?);
+                }
+            }
+            if let Some(m) = &p.master {
+                tensors.insert(format!("{}.master", p.name), m.to_device(&Device::Cpu)?);
             }
         }
         let path = dir.join("optimizer.safetensors");
@@ -366,15 +465,49 @@ impl Optimizer {
                     *m = tensors.get(&km).ok_or_else(|| missing(&km))?.to_vec1::<f32>()?;
                     *v = tensors.get(&kv).ok_or_else(|| missing(&kv))?.to_vec1::<f32>()?;
                 }
+                State::AdamWOps { m, v } => {
+                    let (km, kv) = (format!("{}.exp_avg", p.name), format!("{}.exp_avg_sq", p.name));
+                    let shape = p.var.shape().clone();
+                    let get = |k: &str| -> Result<Tensor> {
+                        Ok(tensors
+                            .get(k)
+                            .ok_or_else(|| missing(k))?
+                            .reshape(shape.clone())?
+                            .to_device(p.var.device())?)
+                    };
+                    (*m, *v) = (get(&km)?, get(&kv)?);
+                }
                 State::Muon { momentum } => {
                     let k = format!("{}.momentum", p.name);
                     *momentum = tensors.get(&k).ok_or_else(|| missing(&k))?.to_device(p.var.device())?;
                 }
             }
+            if p.master.is_some() {
+                // A bf16 run's master weights; a checkpoint of an f32 run has none, and
+                // the parameter's own value is then the best master there is.
+                let k = format!("{}.master", p.name);
+                p.master = Some(match tensors.get(&k) {
+                    Some(t) => t.to_device(p.var.device())?,
+                    None => p.var.to_dtype(DType::F32)?,
+                });
+            }
         }
         self.step = meta["step"].as_u64().unwrap_or(0);
         Ok(())
     }
+}
+
+/// AdamW op by op (devices without the fused kernel): the same arithmetic as
+/// [`train::adamw`]; returns the next parameter and moments.
+fn adamw_ops(theta: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, h: train::AdamW) -> Result<(Tensor, Tensor, Tensor)> {
+    let g = if h.clip != 1.0 { (g * h.clip as f64)? } else { g.clone() };
+    let nm = ((m * h.beta1 as f64)? + (&g * (1.0 - h.beta1) as f64)?)?;
+    let nv = ((v * h.beta2 as f64)? + (g.sqr()? * (1.0 - h.beta2) as f64)?)?;
+    let m_hat = (&nm * h.scale_m as f64)?;
+    let v_hat = (&nv * h.scale_v as f64)?;
+    let step = ((m_hat / (v_hat.sqrt()? + h.eps as f64)?)? * h.lr as f64)?;
+    let next = ((theta * h.decay as f64)? - step)?;
+    Ok((next, nm, nv))
 }
 
 /// Quintic Newton–Schulz iteration towards the nearest semi-orthogonal matrix (Muon).

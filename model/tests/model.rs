@@ -177,7 +177,7 @@ fn activation_checkpointing_gives_the_same_gradients() {
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
+    (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
         .unwrap()
         .abs()
         .unwrap()
@@ -554,6 +554,131 @@ fn cpu_kernels_match_the_candle_forward_for_every_family() {
         ] {
             let diff = want.iter().zip(got).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
             assert!(diff < 1e-4, "{name}, {what}: max |Δlogit| {diff}");
+        }
+    }
+}
+
+/// bf16 weights on the CPU, for every family: logits stay f32 and near the f32 model's,
+/// every parameter gets a gradient, the optimizer keeps f32 master weights (so steps
+/// smaller than bf16's resolution are not lost), training lowers the loss like f32 does,
+/// and checkpoints save as bf16 (half the bytes) and resume exactly.
+#[test]
+fn bf16_weights_train_like_f32_and_checkpoint_as_bf16() {
+    for (name, hf) in all_configs() {
+        let dir = tempfile::tempdir().unwrap();
+        let f32_dir = dir.path().join("f32");
+        let f = init(&hf);
+        checkpoint::save(&f32_dir, &hf, &f.vars, None, None).unwrap();
+        let b = checkpoint::load_as(&f32_dir, &Device::Cpu, DType::BF16).unwrap();
+        assert_eq!(b.model.dtype(), DType::BF16, "{name}");
+        assert!(!b.model.fused_ops(), "{name}: the fused ops are f32-only");
+        let batch = Packed::new(&samples(), &Device::Cpu).unwrap();
+        let (lf, _) = f.model.forward(&batch).unwrap();
+        let (lb, _) = b.model.forward(&batch).unwrap();
+        assert_eq!(lb.dtype(), DType::F32, "{name}: logits are f32");
+        let scale = lf.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let diff = max_abs_diff(&lf, &lb);
+        assert!(
+            diff < 0.05 * scale.max(1.0),
+            "{name}: bf16 logits differ by {diff} (scale {scale})"
+        );
+
+        // Gradients reach every bf16 parameter.
+        let grads = rl_loss(&b.model).backward().unwrap();
+        for (k, v) in b.vars.data().lock().unwrap().iter() {
+            let g = grads
+                .get(v.as_tensor())
+                .unwrap_or_else(|| panic!("{name}: no gradient for {k}"));
+            assert_eq!(g.dtype(), DType::BF16);
+            let n = g.to_dtype(DType::F32).unwrap().sqr().unwrap().sum_all().unwrap();
+            assert!(n.to_scalar::<f32>().unwrap() > 0.0, "{name}: zero gradient for {k}");
+        }
+
+        // A few SFT steps on one batch: both precisions lower the loss, by similar amounts.
+        let sft = |m: &Transformer| -> Tensor {
+            let (logits, aux) = m.forward(&batch).unwrap();
+            let lp = token_logprobs(&logits, &batch.tokens, 1.0)
+                .unwrap()
+                .flatten_all()
+                .unwrap();
+            let n = lp.dims1().unwrap();
+            let mut mask = vec![0f32; n];
+            for &(row, start, len) in &batch.spans {
+                for i in 1..len {
+                    mask[row * batch.width + start + i] = 1.0;
+                }
+            }
+            let z = vec![0f32; n];
+            let inputs = LossInputs {
+                logprobs: &lp,
+                sampler: &z,
+                advantages: &z,
+                mask: &mask,
+                spans: &[],
+            };
+            (loss::compute(LossKind::Sft, inputs).unwrap().0 + aux.balance_loss).unwrap()
+        };
+        let cfg = OptimizerConfig::default();
+        let train = |l: &checkpoint::Loaded| -> (f32, f32) {
+            let mut opt = Optimizer::new(&l.vars, cfg.clone()).unwrap();
+            let first = sft(&l.model).to_scalar::<f32>().unwrap();
+            for _ in 0..8 {
+                opt.step(&sft(&l.model).backward().unwrap(), 3e-3).unwrap();
+            }
+            (first, sft(&l.model).to_scalar::<f32>().unwrap())
+        };
+        let (f0, f8) = train(&f);
+        let (b0, b8) = train(&b);
+        assert!(f8 < f0 && b8 < b0, "{name}: f32 {f0} → {f8}, bf16 {b0} → {b8}");
+        assert!(
+            (f0 - f8 - (b0 - b8)).abs() < 0.25 * (f0 - f8),
+            "{name}: f32 fell by {}, bf16 by {}",
+            f0 - f8,
+            b0 - b8
+        );
+
+        // Steps of ~1e-3 are below half of bf16's spacing at 1.0 (2^-8): rounded alone,
+        // each would leave the norm weights at exactly 1.0; the f32 master copy adds them
+        // up until the rounded value moves.
+        let b = checkpoint::load_as(&f32_dir, &Device::Cpu, DType::BF16).unwrap();
+        let mut opt = Optimizer::new(&b.vars, cfg.clone()).unwrap();
+        let w_name = "model.norm.weight";
+        let w = b.vars.data().lock().unwrap()[w_name].clone();
+        let before = w.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+        assert!(before.iter().all(|x| *x == 1.0), "{name}: norm weights start at 1");
+        for _ in 0..8 {
+            opt.step(&sft(&b.model).backward().unwrap(), 1e-3).unwrap();
+        }
+        let after = w.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+        assert!(
+            after.iter().any(|x| *x != 1.0),
+            "{name}: 8 steps of lr 1e-3 left {w_name} at 1.0"
+        );
+        let save = dir.path().join("bf16");
+        checkpoint::save(&save, &hf, &b.vars, None, None).unwrap();
+        opt.save(&save).unwrap();
+        let cfg_json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(save.join("config.json")).unwrap()).unwrap();
+        assert_eq!(cfg_json["torch_dtype"], "bfloat16", "{name}");
+        let (fs, bs) = (
+            std::fs::metadata(f32_dir.join("model.safetensors")).unwrap().len(),
+            std::fs::metadata(save.join("model.safetensors")).unwrap().len(),
+        );
+        // Half the tensor bytes; the JSON header (the same in both) is the rest.
+        assert!((bs as f64) < 0.55 * fs as f64, "{name}: bf16 file {bs} bytes, f32 {fs}");
+        // Resume: the same weights and the same master copy, so the next step agrees.
+        let r = checkpoint::load_as(&save, &Device::Cpu, DType::BF16).unwrap();
+        let mut ropt = Optimizer::new(&r.vars, cfg.clone()).unwrap();
+        ropt.load(&save).unwrap();
+        opt.step(&sft(&b.model).backward().unwrap(), 1e-4).unwrap();
+        ropt.step(&sft(&r.model).backward().unwrap(), 1e-4).unwrap();
+        for (k, v) in b.vars.data().lock().unwrap().iter() {
+            let rv = r.vars.data().lock().unwrap()[k].clone();
+            assert_eq!(
+                max_abs_diff(v.as_tensor(), rv.as_tensor()),
+                0.0,
+                "{name}: {k} after resume"
+            );
         }
     }
 }

@@ -344,6 +344,23 @@ pub(crate) fn run_python_script(
     pythonpath: Option<&Path>,
     field: &str,
 ) -> Result<Vec<f64>> {
+    run_python_lines(what, script, args, pythonpath)?
+        .iter()
+        .map(|v| {
+            v[field]
+                .as_f64()
+                .with_context(|| format!("{what}: {field} missing in {v}"))
+        })
+        .collect()
+}
+
+/// Runs `script` as [`run_python_script`] does and returns every JSON line it prints.
+pub(crate) fn run_python_lines(
+    what: &str,
+    script: &str,
+    args: &[String],
+    pythonpath: Option<&Path>,
+) -> Result<Vec<serde_json::Value>> {
     let mut c = Command::new("python3");
     c.arg("-c").arg(script).args(args).env("OMP_NUM_THREADS", "1");
     if let Some(p) = pythonpath {
@@ -355,11 +372,6 @@ pub(crate) fn run_python_script(
     }
     String::from_utf8_lossy(&out.stdout)
         .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).with_context(|| format!("{what} printed {l:?}"))?;
-            v[field]
-                .as_f64()
-                .with_context(|| format!("{what}: {field} missing in {l:?}"))
-        })
+        .map(|l| serde_json::from_str(l).with_context(|| format!("{what} printed {l:?}")))
         .collect()
 }

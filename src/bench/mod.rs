@@ -3,6 +3,7 @@
 mod async_level;
 mod bus;
 mod generate;
+mod gpu;
 mod sandbox;
 mod scale;
 mod sql;
@@ -29,6 +30,10 @@ pub enum Which {
         #[arg(long, hide = true)]
         memory_probe: Option<String>,
     },
+    /// The GPU check's table (scripts/gpu-check.sh): the fused RL kernels' parity and
+    /// bandwidth, and training and decode tokens/s of the tiny, small and SmolLM2-135M
+    /// shapes against PyTorch on the same device and dtype.
+    Gpu(gpu::GpuArgs),
     /// Decode tokens/s of the KV-cache sampler at batch 1 and 32 (static batches), tiny and
     /// small presets, single-threaded.
     Generate {
@@ -140,6 +145,7 @@ pub async fn run(which: Which) -> Result<()> {
             rounds,
         } => sandbox::run(n, concurrency, pool_size, python, rounds.max(1)),
         Which::Generate { tokens, preset } => generate::generate(tokens, &preset),
+        Which::Gpu(a) => gpu::run(a),
         Which::Weights { versions } => weights::run(versions.max(1)),
         Which::Scale {
             bus,

@@ -41,6 +41,25 @@ fn problems(path: &Path, errs: Vec<String>) -> anyhow::Error {
 
 /// The topology document at `path` with this invocation's `--set` overrides, unvalidated
 /// (for commands that read one section of it).
+/// `--device` and `--dtype`: where a command's model runs and in what precision.
+#[derive(clap::Args, Debug, Clone, Copy, Default)]
+pub struct Placement {
+    /// Device: cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: streamrl_model::device::DeviceSpec,
+    /// Weights' dtype: f32 or bf16 (logits stay f32).
+    #[arg(long, default_value = "f32")]
+    pub dtype: streamrl_model::device::Precision,
+}
+
+impl Placement {
+    /// Loads a checkpoint on this device in this dtype.
+    pub fn load(&self, dir: &Path) -> Result<streamrl_model::checkpoint::Loaded> {
+        let device = self.device.open()?;
+        Ok(streamrl_model::checkpoint::load_as(dir, &device, self.dtype.dtype())?)
+    }
+}
+
 pub fn read_document(path: &Path) -> Result<serde_yaml::Value> {
     streamrl_runtime::topology::read_document(path, overrides())
         .map_err(|errs| problems(path, errs.iter().map(ToString::to_string).collect()))

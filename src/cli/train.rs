@@ -69,6 +69,8 @@ pub struct SftArgs {
     /// Seed (model init and data order).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    #[command(flatten)]
+    placement: crate::cli::Placement,
 }
 
 fn tokenized(
@@ -124,6 +126,8 @@ pub fn sft(a: SftArgs) -> Result<()> {
             total: a.steps,
             min: a.lr / 10.0,
         },
+        device: a.placement.device,
+        dtype: a.placement.dtype,
         ..Default::default()
     };
     let mut learner = Learner::load(start, cfg).with_context(|| format!("loading {}", start.display()))?;
@@ -203,14 +207,23 @@ pub struct EvalArgs {
     /// Also print the greedy completions of the first N problems.
     #[arg(long, default_value_t = 0)]
     show: usize,
+    #[command(flatten)]
+    placement: crate::cli::Placement,
 }
 
 pub use streamrl_stages::eval::EvalReport;
 
-/// Evaluates a checkpoint on an environment's held-out split.
-pub fn evaluate(env: &dyn Environment, dir: &Path, n: usize, k: usize, max_tokens: usize) -> Result<EvalReport> {
+/// Evaluates a checkpoint on an environment's held-out split, its model placed by `at`.
+pub fn evaluate(
+    env: &dyn Environment,
+    dir: &Path,
+    at: crate::cli::Placement,
+    n: usize,
+    k: usize,
+    max_tokens: usize,
+) -> Result<EvalReport> {
+    let l = at.load(dir)?;
     let template = ChatTemplate::for_checkpoint(dir)?;
-    let l = checkpoint::load(dir, &Device::Cpu)?;
     let tok = l
         .tokenizer
         .ok_or_else(|| anyhow!("{} has no tokenizer.json", dir.display()))?;
@@ -220,7 +233,7 @@ pub fn evaluate(env: &dyn Environment, dir: &Path, n: usize, k: usize, max_token
 /// Runs `streamrl eval`.
 pub fn eval(a: EvalArgs) -> Result<()> {
     let env = a.env.build()?;
-    let r = evaluate(env.as_ref(), &a.checkpoint, a.n, a.k, a.max_tokens)?;
+    let r = evaluate(env.as_ref(), &a.checkpoint, a.placement, a.n, a.k, a.max_tokens)?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
@@ -276,6 +289,12 @@ pub struct SftSpec {
     /// Seed.
     #[serde(default)]
     pub seed: u64,
+    /// Device: cpu, cuda or cuda:N.
+    #[serde(default)]
+    pub device: streamrl_model::device::DeviceSpec,
+    /// Weights' dtype: f32 or bf16.
+    #[serde(default)]
+    pub dtype: streamrl_model::device::Precision,
 }
 
 fn arith() -> String {
@@ -357,5 +376,9 @@ pub fn sft_from_topology(spec: &serde_yaml::Value, topology: &Path) -> Result<()
         batch: s.batch,
         lr: s.lr,
         seed: s.seed,
+        placement: crate::cli::Placement {
+            device: s.device,
+            dtype: s.dtype,
+        },
     })
 }

@@ -15,10 +15,10 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use candle_core::Device;
 use serde::{Deserialize, Serialize};
 use streamrl_model::Tokenizer;
 use streamrl_model::checkpoint;
+use streamrl_model::device::{DeviceSpec, Precision};
 use streamrl_model::engine::{Engine, EngineConfig, Event, Output, SamplingParams};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
 use streamrl_schemas::{
@@ -67,6 +67,12 @@ pub struct RolloutConfig {
     /// `Authorization: Bearer <key>` (`streamrl serve --api-key`, vLLM `--api-key`).
     /// Unset: no key. The key itself never goes in the topology file.
     pub api_key_env: Option<String>,
+    /// Where the local engine runs: `cpu` (default: the fused CPU kernels), `cuda` or
+    /// `cuda:N` (candle's forward on the GPU; a build with the `cuda` feature).
+    pub device: DeviceSpec,
+    /// The local engine's weights: `f32` (default) or `bf16` (logits stay f32). Sampled
+    /// logprobs match the trainer's only when both use the same dtype.
+    pub dtype: Precision,
 }
 
 impl Default for RolloutConfig {
@@ -86,6 +92,8 @@ impl Default for RolloutConfig {
             served_model_name: None,
             sync_weights: true,
             api_key_env: None,
+            device: DeviceSpec::Cpu,
+            dtype: Precision::F32,
         }
     }
 }
@@ -121,6 +129,13 @@ impl RolloutConfig {
             && let Err(e) = crate::remote::base_url(&self.engine)
         {
             p.push(format!("{e} (or `local`)"));
+        }
+        if self.engine != "local" && (self.device != DeviceSpec::Cpu || self.dtype != Precision::F32) {
+            p.push(format!(
+                "device `{}` / dtype `{}` apply to the local engine only; the remote engine `{}` \
+                 chooses its own",
+                self.device, self.dtype, self.engine
+            ));
         }
         p
     }
@@ -205,8 +220,9 @@ impl RolloutStage {
         cfg.checkpoint = crate::weights::initial(&cfg.checkpoint, &ctx.weights_cache(), crate::weights::INITIAL_WAIT)
             .map_err(|e| vec![format!("checkpoint: {e}")])?;
         let (backend, tokenizer) = if cfg.engine == "local" {
-            let loaded =
-                checkpoint::load(&cfg.checkpoint, &Device::Cpu).map_err(|e| vec![format!("checkpoint: {e}")])?;
+            let device = cfg.device.open().map_err(|e| vec![e.to_string()])?;
+            let loaded = checkpoint::load_as(&cfg.checkpoint, &device, cfg.dtype.dtype())
+                .map_err(|e| vec![format!("checkpoint: {e}")])?;
             let Some(tokenizer) = loaded.tokenizer else {
                 return Err(vec![format!(
                     "checkpoint: {} has no tokenizer.json",

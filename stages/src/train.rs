@@ -6,13 +6,14 @@ use std::path::Path;
 use std::time::Instant;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 use serde::{Deserialize, Serialize};
 use streamrl_model::config::HfConfig;
+use streamrl_model::device::{DeviceSpec, Precision};
 use streamrl_model::loss::{self, LossInputs, LossKind};
 use streamrl_model::optim::{LrSchedule, Optimizer, OptimizerConfig};
-use streamrl_model::{Packed, Tokenizer, Transformer, checkpoint, masked_entropy, token_logprobs};
+use streamrl_model::{Packed, Tokenizer, Transformer, checkpoint, token_logprobs_entropy};
 
 /// The objective, as written in topology.yaml (`loss: {kind: masked_is, low: 0.5, ...}`):
 /// the model crate's [`LossKind`], which carries its own serde form and defaults.
@@ -40,6 +41,12 @@ pub struct TrainConfig {
     /// peak memory for about one more forward per step (`streamrl bench train` measures
     /// both).
     pub activation_checkpointing: bool,
+    /// Where the model trains: `cpu` (default), `cuda` or `cuda:N` (a build with the
+    /// `cuda` feature on a machine with an NVIDIA GPU).
+    pub device: DeviceSpec,
+    /// Weights and activations: `f32` (default) or `bf16` (logits, losses, gradient
+    /// accumulation and the optimizer's master weights and moments stay f32).
+    pub dtype: Precision,
 }
 
 impl Default for TrainConfig {
@@ -53,6 +60,8 @@ impl Default for TrainConfig {
             temperature: 1.0,
             balance_coef: 0.01,
             activation_checkpointing: false,
+            device: DeviceSpec::Cpu,
+            dtype: Precision::F32,
         }
     }
 }
@@ -182,9 +191,11 @@ pub struct Learner {
 }
 
 impl Learner {
-    /// Loads a checkpoint directory, and its optimizer state when the directory has one.
+    /// Loads a checkpoint directory onto the configured device in the configured dtype,
+    /// and its optimizer state when the directory has one.
     pub fn load(dir: &Path, cfg: TrainConfig) -> streamrl_model::Result<Self> {
-        let l = checkpoint::load(dir, &Device::Cpu)?;
+        let device = cfg.device.open()?;
+        let l = checkpoint::load_as(dir, &device, cfg.dtype.dtype())?;
         let mut opt = Optimizer::new(&l.vars, cfg.optimizer.clone())?;
         if dir.join("optimizer.json").exists() {
             opt.load(dir)?;
@@ -258,7 +269,8 @@ impl Learner {
                         .collect()
                 })
                 .collect();
-            let packed = Packed::new(&seqs, &Device::Cpu)?;
+            let dev = self.model.device().clone();
+            let packed = Packed::new(&seqs, &dev)?;
             let order: Vec<usize> = mb.iter().flatten().copied().collect();
             let (mut idx, mut sampler, mut adv, mut mask, mut spans) = (vec![], vec![], vec![], vec![], vec![]);
             let mut ent_mask = vec![0f32; packed.tokens.elem_count()];
@@ -281,12 +293,12 @@ impl Learner {
             }
             let w = mb_trainable / denom;
             let temperature = self.cfg.temperature as f64;
-            let idx_t = Tensor::new(idx.as_slice(), &Device::Cpu)?;
+            let idx_t = Tensor::new(idx.as_slice(), &dev)?;
             // The loss of this micro-batch (weighted by its share of trainable tokens).
-            let loss_of = |logits: &Tensor| -> streamrl_model::Result<(Tensor, loss::LossMetrics)> {
-                let lp = token_logprobs(logits, &packed.tokens, temperature)?
-                    .flatten_all()?
-                    .index_select(&idx_t, 0)?;
+            // Logprobs and entropies come from one pass over the logits.
+            let loss_of = |logits: &Tensor| -> streamrl_model::Result<(Tensor, loss::LossMetrics, Tensor)> {
+                let (lp, ent) = token_logprobs_entropy(logits, &packed.tokens, temperature)?;
+                let lp = lp.flatten_all()?.index_select(&idx_t, 0)?;
                 let (l, m) = loss::compute(
                     kind,
                     LossInputs {
@@ -297,31 +309,28 @@ impl Learner {
                         spans: &spans,
                     },
                 )?;
-                Ok(((l * w as f64)?, m))
+                Ok(((l * w as f64)?, m, ent))
             };
             let coef = self.cfg.balance_coef as f64;
-            let (g, logits, m, moe) = if self.cfg.activation_checkpointing {
+            let (g, ent, m, moe) = if self.cfg.activation_checkpointing {
                 let mut metrics = None;
-                let (g, logits, aux) = self.model.backward_checkpointed(&packed, coef, |lg| {
-                    let (l, m) = loss_of(lg)?;
-                    metrics = Some(m);
+                let (g, _logits, aux) = self.model.backward_checkpointed(&packed, coef, |lg| {
+                    let (l, m, ent) = loss_of(lg)?;
+                    metrics = Some((m, ent));
                     Ok(l)
                 })?;
-                (g, logits, metrics.expect("the head loss ran"), aux.moe)
+                let (m, ent) = metrics.expect("the head loss ran");
+                (g, ent, m, aux.moe)
             } else {
                 let (logits, aux) = self.model.forward(&packed)?;
-                let (l, m) = loss_of(&logits)?;
+                let (l, m, ent) = loss_of(&logits)?;
                 let g = (l + (aux.balance_loss * coef)?)?.backward()?;
-                (g, logits, m, aux.moe)
+                (g, ent, m, aux.moe)
             };
             if let Some(worst) = moe.iter().map(|s| s.imbalance).reduce(f32::max) {
                 report.moe_imbalance = Some(report.moe_imbalance.map_or(worst, |w| w.max(worst)));
             }
-            let ent = masked_entropy(
-                &logits,
-                &Tensor::from_vec(ent_mask, packed.tokens.dims(), &Device::Cpu)?,
-                self.cfg.temperature as f64,
-            )?;
+            let ent = masked_mean(&ent, &ent_mask)?;
             report.loss += m.loss * w;
             report.masked_low += m.masked_low * w;
             report.masked_high += m.masked_high * w;
@@ -329,14 +338,21 @@ impl Learner {
             report.max_logprob_diff = report.max_logprob_diff.max(m.max_abs_log_ratio);
             report.clip_fraction += m.clip_fraction * w;
             report.entropy += ent * w;
+            // Gradients accumulate in f32 whatever the weights' dtype.
+            let widen = self.model.dtype() != DType::F32;
             grads = Some(match grads {
-                None => g,
-                Some(mut acc) => {
+                None if !widen => g,
+                acc => {
+                    let mut acc = match acc {
+                        Some(acc) => acc,
+                        None => empty_grads(&dev)?,
+                    };
                     for var in self.vars.all_vars() {
                         if let Some(new) = g.get(var.as_tensor()) {
+                            let new = new.to_dtype(DType::F32)?;
                             let sum = match acc.get(var.as_tensor()) {
                                 Some(old) => (old + new)?,
-                                None => new.clone(),
+                                None => new,
                             };
                             acc.insert(var.as_tensor(), sum);
                         }
@@ -365,6 +381,24 @@ impl Learner {
         report.seconds = t0.elapsed().as_secs_f64();
         Ok(report)
     }
+}
+
+/// Mean of `values` (any shape) where `mask` (as many values) is 1; 0 when it is all 0.
+fn masked_mean(values: &Tensor, mask: &[f32]) -> candle_core::Result<f32> {
+    let v = values.flatten_all()?.to_vec1::<f32>()?;
+    let n: f32 = mask.iter().sum();
+    if n == 0.0 {
+        return Ok(0.0);
+    }
+    Ok(v.iter().zip(mask).map(|(a, m)| a * m).sum::<f32>() / n)
+}
+
+/// A gradient store with no entries (candle has no public constructor for one).
+fn empty_grads(dev: &Device) -> candle_core::Result<GradStore> {
+    let z = Tensor::zeros((), DType::F32, dev)?;
+    let mut g = z.backward()?;
+    g.remove(&z);
+    Ok(g)
 }
 
 #[cfg(test)]

@@ -64,6 +64,8 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer <key>` on every route but /health.
     #[arg(long, env = "STREAMRL_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    #[command(flatten)]
+    placement: crate::cli::Placement,
 }
 
 /// One generated token as the engine reported it.
@@ -210,7 +212,9 @@ fn engine_loop(mut engine: Engine, rx: std::sync::mpsc::Receiver<Cmd>) {
 
 /// Runs the server until SIGINT/SIGTERM.
 pub async fn serve(a: ServeArgs) -> Result<()> {
-    let loaded = streamrl_model::checkpoint::load(&a.checkpoint, &candle_core::Device::Cpu)
+    let loaded = a
+        .placement
+        .load(&a.checkpoint)
         .with_context(|| format!("loading {}", a.checkpoint.display()))?;
     let tokenizer = loaded
         .tokenizer

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU check: streamrl's CUDA path on a GPU machine, as one prepared call.
+#
+#   scripts/gpu-check.sh build        # here (no GPU needed): release binary, --features cuda,
+#                                     # stripped, with the CUDA runtime beside it, in target/gpu-check
+#   scripts/gpu-check.sh run [DIR]    # on the GPU machine (no Rust there): runs DIR/streamrl
+#
+# `run` prints the GPU, then `streamrl bench gpu`'s one table: the fused RL kernels' parity
+# with their CPU references (values and gradients; it exits non-zero if one fails) and their
+# GB/s, and training and decode tokens/s of the tiny, small and SmolLM2-135M shapes in bf16
+# against PyTorch + transformers on the same GPU. Extra arguments go to `streamrl bench gpu`.
+# With the `device` tool: carry target/gpu-check, command `scripts/gpu-check.sh run`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=target/gpu-check
+
+case "${1:-}" in
+build)
+    root=$(scripts/cuda-toolkit.sh)
+    # Hopper (H100/H200): candle's kernels as sm_90a code, streamrl's as compute_90 PTX.
+    CUDA_ROOT=$root PATH=$root/bin:$PATH CUDA_COMPUTE_CAP=90 RAYON_NUM_THREADS=$(nproc) \
+        cargo build --release --features cuda --bin streamrl
+    mkdir -p "$out"
+    strip -o "$out/streamrl" target/release/streamrl
+    cp -L "$root/lib/libcudart.so.13" "$out/"
+    ls -la "$out"
+    du -sh "$out"
+    ;;
+run)
+    dir=${2:-$out}
+    shift $(( $# > 1 ? 2 : 1 ))
+    # libcudart from beside the binary; cuBLAS, cuRAND and NVRTC (opened at run time by
+    # cudarc) from the system CUDA or PyTorch's wheels, whichever is there.
+    torch_libs=$(python3 - <<'PY' 2>/dev/null || true
+import glob, os
+try:
+    import nvidia
+    roots = [os.path.dirname(p) for p in nvidia.__path__]
+    print(":".join(sorted({os.path.dirname(l) for r in roots for l in glob.glob(r + "/nvidia/**/lib/*.so*", recursive=True)})))
+except Exception:
+    pass
+PY
+)
+    export LD_LIBRARY_PATH="$dir:/usr/local/cuda/lib64:${torch_libs}:${LD_LIBRARY_PATH:-}"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    "$dir/streamrl" bench gpu --device cuda:0 --dtype bf16 --preset tiny,small,smollm2 "$@"
+    ;;
+*)
+    sed -n '2,12p' "$0"
+    exit 2
+    ;;
+esac
