@@ -1,7 +1,9 @@
 //! Optimizers: a fused in-place AdamW (numerically candle's AdamW, without its ~10
-//! temporaries per parameter), Muon (Newton–Schulz orthogonalised momentum) for 2-D hidden
-//! matrices with AdamW for the rest, global gradient-norm clipping, learning-rate
-//! schedules, and optimizer state that saves and restores exactly.
+//! temporaries per parameter; on the CPU, and as a CUDA kernel with the `cuda` feature),
+//! Muon (Newton–Schulz orthogonalised momentum) for 2-D hidden matrices with AdamW for the
+//! rest, global gradient-norm clipping, learning-rate schedules, and optimizer state that
+//! saves and restores exactly. Parameters that are not f32 (bf16) are updated through an
+//! f32 master copy the optimizer keeps (and saves), with f32 moments.
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -436,3 +436,55 @@ suite!(
     cancelling_one_running_sequence_leaves_the_others_untouched,
     top_logprobs_and_prompt_scores_agree_with_the_sampled_logprobs,
 );
+
+/// bf16 weights (the candle path, as on a GPU in bf16): the engine batches them, its
+/// logprobs match the same model's recompute as closely as bf16 rounding of the
+/// different batch shapes allows, and a weight swap loads a checkpoint into bf16.
+#[test]
+fn bf16_weights_decode_and_swap() {
+    let tok = Tokenizer::char_level();
+    let hf = config::preset("tiny", tok.vocab_size()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let f = checkpoint::init_seeded(&hf, &Device::Cpu, Some(3)).unwrap();
+    checkpoint::save(dir.path(), &hf, &f.vars, Some(&tok), None).unwrap();
+    let b = checkpoint::load_as(dir.path(), &Device::Cpu, candle_core::DType::BF16).unwrap();
+    let mut e = Engine::new(
+        b.model,
+        0,
+        Some(tok.clone()),
+        EngineConfig {
+            max_num_seqs: 4,
+            ..Default::default()
+        },
+    );
+    assert_eq!(e.kernels(), "candle", "the CPU kernels are f32-only");
+    for (i, p) in prompts().into_iter().enumerate() {
+        e.add(p, params(i, 0.7)).unwrap();
+    }
+    let outs = by_id(e.run_to_completion().unwrap());
+    for (o, p) in outs.iter().zip(prompts()) {
+        let seq: Vec<u32> = p.iter().chain(&o.tokens).copied().collect();
+        let batch = Packed::new(&[vec![seq]], &Device::Cpu).unwrap();
+        let (logits, _) = e.model().forward(&batch).unwrap();
+        let lp = token_logprobs(&logits, &batch.tokens, 0.7)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        for (k, got) in o.logprobs.iter().enumerate() {
+            let want = lp[p.len() + k];
+            assert!(
+                got.is_finite() && (got - want).abs() <= 0.05,
+                "token {k}: sampled {got}, recomputed {want}"
+            );
+        }
+    }
+    e.load_weights(dir.path(), 1, None).unwrap();
+    assert_eq!(
+        e.model().dtype(),
+        candle_core::DType::BF16,
+        "a swap keeps the engine's dtype"
+    );
+    assert_eq!(e.version(), 1);
+}

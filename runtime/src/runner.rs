@@ -335,6 +335,14 @@ pub async fn run_stage(
     let mut draining_since: Option<tokio::time::Instant> = None;
     let mut drain_began = tokio::time::Instant::now();
     loop {
+        if tick.is_none() && !stage.ready() {
+            return Err(crate::Error::Stage {
+                stage: runner.instance.clone(),
+                source: StageError::internal(
+                    "the stage takes no input (`ready` is false) and has no tick to work off what it holds",
+                ),
+            });
+        }
         let drained = async {
             match (draining_since, cfg.drain_on_end) {
                 (Some(t), Some(d)) => tokio::time::sleep_until(t + d).await,
@@ -367,7 +375,8 @@ pub async fn run_stage(
                 continue;
             }
             (m, i) = recv_any(&mut broadcasts) => Some((m, Some(i))),
-            m = async { match consumer.as_mut() { Some(c) => c.recv().await, None => std::future::pending().await } } => Some((m, None)),
+            // Data inputs only while the stage takes them (broadcasts and ticks always).
+            m = async { match consumer.as_mut() { Some(c) => c.recv().await, None => std::future::pending().await } }, if stage.ready() => Some((m, None)),
             _ = async { match tick.as_mut() { Some(t) => { t.tick().await; } None => std::future::pending().await } } => None,
         };
         let ended = match next {

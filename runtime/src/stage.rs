@@ -223,6 +223,15 @@ pub trait Stage: Send {
         None
     }
 
+    /// Whether the stage takes another data input now (default: always). A stage with
+    /// bounded work in hand (the rollout stage with every generation slot full) says no;
+    /// the runner then stops reading its data inputs but still delivers broadcast inputs,
+    /// in-band signals and ticks, and the stage works off what it holds in
+    /// [`tick`](Stage::tick) (so a stage that can say no must have a tick).
+    fn ready(&self) -> bool {
+        true
+    }
+
     /// Time-driven work (flushes, timeouts).
     async fn tick(&mut self, _out: &mut Emitter) -> Result<(), StageError> {
         Ok(())

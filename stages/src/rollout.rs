@@ -3,12 +3,13 @@
 //! Each `prompts` message (one group) becomes `group_size` engine requests; the input is
 //! held under its group id and acknowledged once the whole group has been emitted, so a
 //! crash regenerates the group (ids are deterministic, and the mask stage deduplicates by
-//! `rollout_id`). At most `max_inflight_groups` groups are in flight: when the limit is
-//! reached the stage drives the engine until a group finishes before taking the next
-//! input, so a finished group is replaced at once. Between inputs the engine advances in
-//! time slices, and a new policy version on the broadcast `policy` topic is loaded
-//! between two decode steps (in-flight weight update); a version that fails to load
-//! (missing file, checksum mismatch, other shape) leaves the old weights serving.
+//! `rollout_id`). The engine advances in `tick`, in time slices of `slice_ms`. At most
+//! `max_inflight_groups` groups are in flight: at the limit the stage is not `ready`, so
+//! the runner reads no more prompts until a group finishes (and replaces it at once),
+//! while it still delivers the broadcast `policy` topic: a new policy version is loaded
+//! between two decode steps even with every slot full (in-flight weight update); a
+//! version that fails to load (missing file, checksum mismatch, other shape) leaves the
+//! old weights serving.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -693,9 +694,11 @@ impl Stage for RolloutStage {
                 for p in prompts {
                     self.add_group(p)?;
                 }
-                let max = self.cfg.max_inflight_groups;
-                let far = Instant::now() + Duration::from_secs(3600);
-                self.drive(out, |s| s.groups.len() < max, far).await
+                // Generation happens in `tick`, a slice at a time; while every slot is
+                // taken the stage is not `ready` and the runner reads no more prompts,
+                // but still delivers policies, so new weights are adopted between decode
+                // steps, not only between groups.
+                Ok(())
             }
             SchemaId::Continuations => {
                 let conts = rows::<ContinuationRow>(&input.batch)?;
@@ -713,6 +716,11 @@ impl Stage for RolloutStage {
 
     fn tick_interval(&self) -> Option<Duration> {
         Some(Duration::from_millis(1))
+    }
+
+    /// Another group fits: fewer than `max_inflight_groups` are in flight.
+    fn ready(&self) -> bool {
+        self.groups.len() < self.cfg.max_inflight_groups
     }
 
     async fn tick(&mut self, out: &mut Emitter) -> Result<(), StageError> {

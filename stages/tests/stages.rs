@@ -501,12 +501,17 @@ async fn rollout_generates_whole_groups_and_swaps_policies_that_load() {
     };
     let mut stage = RolloutStage::build(cfg, ctx("rollout", dir.path(), &[("rollouts", SchemaId::Rollouts)])).unwrap();
     let mut out = Emitter::default();
-    // One group in flight at most: process drives the engine until the group is done.
+    // One group in flight at most: once it is in, the stage takes no more prompts, and
+    // its ticks generate the group.
+    assert!(stage.ready());
     stage
         .process(input("prompts", &[prompt("g1", 4)]), &mut out)
         .await
         .unwrap();
     assert_eq!(out.holding(), Some(Some("g1")));
+    assert!(!stage.ready());
+    tick_until_released(&mut stage, &mut out).await;
+    assert!(stage.ready());
     assert_eq!(out.released(), ["g1".to_string()]);
     let rows: Vec<RolloutRow> = batches(&mut out, "rollouts");
     assert_eq!(rows.len(), 4);
@@ -535,13 +540,77 @@ async fn rollout_generates_whole_groups_and_swaps_policies_that_load() {
     let good = PolicyRow { sha256: sha1, ..bad };
     stage.process(input("policy", &[good]), &mut out).await.unwrap();
     assert_eq!(stage.version(), 1);
+    let mut out = Emitter::default();
     stage
         .process(input("prompts", &[prompt("g2", 2)]), &mut out)
         .await
         .unwrap();
+    tick_until_released(&mut stage, &mut out).await;
     let rows: Vec<RolloutRow> = batches(&mut out, "rollouts");
     assert_eq!(rows.len(), 2);
     assert!(rows.iter().all(|r| r.completion_versions.iter().all(|v| *v == 1)));
+}
+
+/// Ticks `stage` (a rollout stage) until it releases a held input.
+async fn tick_until_released(stage: &mut RolloutStage, out: &mut Emitter) {
+    for _ in 0..10_000 {
+        if !out.released().is_empty() {
+            return;
+        }
+        stage.tick(out).await.unwrap();
+    }
+    panic!("no group finished after 10000 ticks");
+}
+
+/// With every slot full, a new policy still lands between two decode steps of the
+/// group in flight (the runner keeps delivering broadcasts to a stage that is not
+/// `ready`): the group's completions switch from version 0 to 1 part-way.
+#[tokio::test]
+async fn rollout_swaps_weights_mid_group_with_every_slot_full() {
+    let dir = tempfile::tempdir().unwrap();
+    let (v0, v1) = (dir.path().join("v0"), dir.path().join("v1"));
+    tiny(&v0, 0);
+    let sha1 = tiny(&v1, 1);
+    let cfg = RolloutConfig {
+        checkpoint: v0,
+        max_inflight_groups: 1,
+        slice_ms: 1,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut stage = RolloutStage::build(cfg, ctx("rollout", dir.path(), &[("rollouts", SchemaId::Rollouts)])).unwrap();
+    let mut out = Emitter::default();
+    let long = PromptRow {
+        max_tokens: 48,
+        ..prompt("g1", 2)
+    };
+    stage.process(input("prompts", &[long]), &mut out).await.unwrap();
+    assert!(!stage.ready());
+    // A few decode steps on version 0.
+    for _ in 0..3 {
+        stage.tick(&mut out).await.unwrap();
+    }
+    assert!(out.released().is_empty(), "48 tokens take more than three 1 ms slices");
+    let policy = PolicyRow {
+        run_id: "test".into(),
+        version: 1,
+        step: 1,
+        uri: format!("file://{}", v1.display()),
+        sha256: sha1,
+        created_at: 0,
+    };
+    stage.process(input("policy", &[policy]), &mut out).await.unwrap();
+    assert_eq!(stage.version(), 1);
+    tick_until_released(&mut stage, &mut out).await;
+    let rows: Vec<RolloutRow> = batches(&mut out, "rollouts");
+    assert_eq!(rows.len(), 2);
+    for r in &rows {
+        let v = &r.completion_versions;
+        assert_eq!(v.len(), 48);
+        assert_eq!(v[0], 0, "{v:?}");
+        assert_eq!(v[47], 1, "{v:?}");
+        assert!(v.windows(2).all(|w| w[0] <= w[1]), "{v:?}");
+    }
 }
 
 fn sample(group: &str, i: u32, reward: f32, adv: f32, version: u32) -> SampleRow {
