@@ -30,6 +30,15 @@ fn threads(n: usize) -> u32 {
     (n.div_ceil(32) * 32).clamp(32, 1024) as u32
 }
 
+/// One block per row of `width` values (the log-softmax kernels).
+fn per_row(rows: usize, width: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads(width), 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The contiguous f32 data of a CUDA storage.
 fn view<'a>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<CudaView<'a, f32>> {
     let slice = s.as_cuda_slice::<f32>()?;
@@ -63,11 +72,7 @@ pub(crate) fn logprobs_fwd(
     let lp = dev.alloc_zeros::<f32>(b * t)?;
     let ent = dev.alloc_zeros::<f32>(if entropy { b * t } else { 1 })?;
     let f = func!(dev, "token_logprobs_fwd");
-    let cfg = LaunchConfig {
-        grid_dim: ((b * t) as u32, 1, 1),
-        block_dim: (threads(v), 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = per_row(b * t, v);
     let mut a = f.builder();
     a.arg(&logits);
     a.arg(&toks);
@@ -99,11 +104,7 @@ pub(crate) fn logprobs_bwd(logits: &Tensor, tokens: &[u32], temp: f32, g: &Tenso
             let toks = dev.clone_htod(tokens)?;
             let d = dev.alloc_zeros::<f32>(b * t * v)?;
             let f = func!(dev, "token_logprobs_bwd");
-            let cfg = LaunchConfig {
-                grid_dim: ((b * t) as u32, 1, 1),
-                block_dim: (threads(v), 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = per_row(b * t, v);
             let mut a = f.builder();
             a.arg(&x);
             a.arg(&toks);

@@ -111,6 +111,25 @@ pub struct LossMetrics {
 /// ones are clamped in value (they are masked by every sensible `high` anyway).
 pub const MAX_LOG_RATIO: f32 = 20.0;
 
+/// Checks that every input has one value per logprob and that they are usable
+/// ([`check_finite`]); returns the number of tokens.
+fn check_inputs(x: &LossInputs<'_>) -> Result<usize> {
+    let n = x.logprobs.dims1()?;
+    for (name, len) in [
+        ("sampler", x.sampler.len()),
+        ("advantages", x.advantages.len()),
+        ("mask", x.mask.len()),
+    ] {
+        if len != n {
+            return Err(Error::Shape(format!(
+                "loss input `{name}` has {len} values for {n} logprobs"
+            )));
+        }
+    }
+    check_finite(x)?;
+    Ok(n)
+}
+
 /// Refuses inputs no loss can be finite on, naming the first bad value: NaN anywhere, an
 /// infinite advantage or mask, a +∞ sampler logprob. (A −∞ sampler logprob is allowed: an
 /// infinite ratio, masked or clamped.)
@@ -272,19 +291,7 @@ fn masked_is_metrics(t: &MaskedIsTotals) -> (f32, LossMetrics) {
 /// feature, in one CUDA kernel where the logprobs live. Equal to the op-by-op loss
 /// ([`compute_op_by_op`]) in value, gradient and metrics.
 pub fn masked_is_fused(x: LossInputs<'_>, low: f32, high: f32, kl_tau: f32) -> Result<(Tensor, LossMetrics)> {
-    let n = x.logprobs.dims1()?;
-    for (name, len) in [
-        ("sampler", x.sampler.len()),
-        ("advantages", x.advantages.len()),
-        ("mask", x.mask.len()),
-    ] {
-        if len != n {
-            return Err(Error::Shape(format!(
-                "loss input `{name}` has {len} values for {n} logprobs"
-            )));
-        }
-    }
-    check_finite(&x)?;
+    let n = check_inputs(&x)?;
     #[cfg(feature = "cuda")]
     if x.logprobs.device().is_cuda() {
         let (totals, grad) = crate::cuda::masked_is(x.logprobs, x.sampler, x.advantages, x.mask, low, high, kl_tau)?;
@@ -352,19 +359,7 @@ impl candle_core::CustomOp1 for ValueWithGrad {
 /// Checks the inputs and computes what every kind shares, with the metrics every kind
 /// reports (tokens, mismatch KL, largest log-ratio).
 fn prepare(x: LossInputs<'_>) -> Result<(Prepared<'_>, LossMetrics)> {
-    let n = x.logprobs.dims1()?;
-    for (name, len) in [
-        ("sampler", x.sampler.len()),
-        ("advantages", x.advantages.len()),
-        ("mask", x.mask.len()),
-    ] {
-        if len != n {
-            return Err(Error::Shape(format!(
-                "loss input `{name}` has {len} values for {n} logprobs"
-            )));
-        }
-    }
-    check_finite(&x)?;
+    let n = check_inputs(&x)?;
     let dev = x.logprobs.device();
     let lp = x.logprobs.to_vec1::<f32>()?;
     // The true log-ratio decides the masks (a −∞ sampler logprob is an infinite ratio; a

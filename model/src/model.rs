@@ -1206,14 +1206,12 @@ pub fn masked_entropy(logits: &Tensor, mask: &Tensor, temperature: f64) -> Resul
     if t < 2 {
         return Ok(0.0);
     }
-    let l = (logits.narrow(1, 0, t - 1)?.detach() / temperature)?;
-    let lsm = candle_nn::ops::log_softmax(&l, D::Minus1)?;
-    let ent = (lsm.exp()? * &lsm)?.sum(D::Minus1)?.neg()?;
     let m = mask.narrow(1, 1, t - 1)?;
     let n = m.sum_all()?.to_scalar::<f32>()?;
     if n == 0.0 {
         return Ok(0.0);
     }
+    let ent = entropy_unfused(logits, temperature)?.narrow(1, 1, t - 1)?;
     Ok((ent * m)?.sum_all()?.to_scalar::<f32>()? / n)
 }
 

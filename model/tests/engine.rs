@@ -88,6 +88,20 @@ fn continuous_batching_gives_every_request_what_it_gets_alone(k: bool) {
     }
 }
 
+/// Logprobs at temperature `t` of `prompt` + `completion` under `m`, by a full forward
+/// (position i is the logprob of token i).
+fn recompute(m: &Transformer, prompt: &[u32], completion: &[u32], t: f64) -> Vec<f32> {
+    let seq: Vec<u32> = prompt.iter().chain(completion).copied().collect();
+    let batch = Packed::new(&[vec![seq]], &Device::Cpu).unwrap();
+    let (logits, _) = m.forward(&batch).unwrap();
+    token_logprobs(&logits, &batch.tokens, t)
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+}
+
 fn sampled_logprobs_equal_a_full_recompute(k: bool) {
     let temperature = 0.7;
     let mut e = engine(k, 2, 4);
@@ -97,15 +111,7 @@ fn sampled_logprobs_equal_a_full_recompute(k: bool) {
     let outs = by_id(e.run_to_completion().unwrap());
     let m = e.model();
     for (o, p) in outs.iter().zip(prompts()) {
-        let seq: Vec<u32> = p.iter().chain(&o.tokens).copied().collect();
-        let batch = Packed::new(&[vec![seq.clone()]], &Device::Cpu).unwrap();
-        let (logits, _) = m.forward(&batch).unwrap();
-        let lp = token_logprobs(&logits, &batch.tokens, temperature as f64)
-            .unwrap()
-            .squeeze(0)
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+        let lp = recompute(m, &p, &o.tokens, temperature as f64);
         for (k, got) in o.logprobs.iter().enumerate() {
             let want = lp[p.len() + k];
             assert!(
@@ -463,15 +469,7 @@ fn bf16_weights_decode_and_swap() {
     }
     let outs = by_id(e.run_to_completion().unwrap());
     for (o, p) in outs.iter().zip(prompts()) {
-        let seq: Vec<u32> = p.iter().chain(&o.tokens).copied().collect();
-        let batch = Packed::new(&[vec![seq]], &Device::Cpu).unwrap();
-        let (logits, _) = e.model().forward(&batch).unwrap();
-        let lp = token_logprobs(&logits, &batch.tokens, 0.7)
-            .unwrap()
-            .squeeze(0)
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+        let lp = recompute(e.model(), &p, &o.tokens, 0.7);
         for (k, got) in o.logprobs.iter().enumerate() {
             let want = lp[p.len() + k];
             assert!(

@@ -227,20 +227,9 @@ fn models(a: &GpuArgs, d: &Device) -> Result<()> {
         let batch = Packed::new(&rows, d)?;
         let mut opt = Optimizer::new(&l.vars, OptimizerConfig::default())?;
         let n = batch.tokens.elem_count();
-        let mask: Vec<f32> = (0..n).map(|i| if i % a.seq == 0 { 0.0 } else { 1.0 }).collect();
-        let zeros = vec![0f32; n];
         let step = time(d, a.steps, || {
             let (logits, _) = l.model.forward(&batch)?;
-            let lp = token_logprobs(&logits, &batch.tokens, 1.0)?.flatten_all()?;
-            let inputs = LossInputs {
-                logprobs: &lp,
-                sampler: &zeros,
-                advantages: &zeros,
-                mask: &mask,
-                spans: &[],
-            };
-            let (loss, _) = loss::compute(LossKind::Sft, inputs)?;
-            opt.step(&loss.backward()?, 1e-5)?;
+            opt.step(&super::train::sft_loss(&logits, &batch)?.backward()?, 1e-5)?;
             Ok(())
         })?;
         let train = n as f64 / step;

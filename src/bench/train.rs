@@ -74,23 +74,26 @@ fn step(
 ) -> Result<Duration> {
     let t0 = Instant::now();
     let (logits, _) = model.forward(batch)?;
-    let lp = token_logprobs(&logits, &batch.tokens, 1.0)?.flatten_all()?;
+    let grads = sft_loss(&logits, batch)?.backward()?;
+    opt(&grads)?;
+    Ok(t0.elapsed())
+}
+
+/// The SFT loss over every next token of a packed batch of one sample per row (a row's
+/// first position has no logprob), as the benches train.
+pub(super) fn sft_loss(logits: &candle_core::Tensor, batch: &Packed) -> streamrl_model::Result<candle_core::Tensor> {
+    let lp = token_logprobs(logits, &batch.tokens, 1.0)?.flatten_all()?;
     let n = lp.dims1()?;
     let mask: Vec<f32> = (0..n).map(|i| if i % batch.width == 0 { 0.0 } else { 1.0 }).collect();
     let zeros = vec![0f32; n];
-    let (l, _) = loss::compute(
-        LossKind::Sft,
-        LossInputs {
-            logprobs: &lp,
-            sampler: &zeros,
-            advantages: &zeros,
-            mask: &mask,
-            spans: &[],
-        },
-    )?;
-    let grads = l.backward()?;
-    opt(&grads)?;
-    Ok(t0.elapsed())
+    let inputs = LossInputs {
+        logprobs: &lp,
+        sampler: &zeros,
+        advantages: &zeros,
+        mask: &mask,
+        spans: &[],
+    };
+    Ok(loss::compute(LossKind::Sft, inputs)?.0)
 }
 
 /// The best step time (ms) of `steps` timed steps after one warm-up, for a freshly
@@ -273,20 +276,7 @@ pub fn memory_probe(checkpointing: bool) -> Result<()> {
         .map(|b| vec![(0..256).map(|i| ((b * 7 + i * 13) % 64) as u32).collect()])
         .collect();
     let batch = Packed::new(&rows, &Device::Cpu)?;
-    let loss_of = |logits: &candle_core::Tensor| -> streamrl_model::Result<candle_core::Tensor> {
-        let lp = token_logprobs(logits, &batch.tokens, 1.0)?.flatten_all()?;
-        let n = lp.dims1()?;
-        let mask: Vec<f32> = (0..n).map(|i| if i % batch.width == 0 { 0.0 } else { 1.0 }).collect();
-        let zeros = vec![0f32; n];
-        let inputs = LossInputs {
-            logprobs: &lp,
-            sampler: &zeros,
-            advantages: &zeros,
-            mask: &mask,
-            spans: &[],
-        };
-        Ok(loss::compute(LossKind::Sft, inputs)?.0)
-    };
+    let loss_of = |logits: &candle_core::Tensor| sft_loss(logits, &batch);
     let before = status_kib("VmRSS:");
     // Reset the high-water mark so VmHWM is this step's peak.
     std::fs::write("/proc/self/clear_refs", "5")?;

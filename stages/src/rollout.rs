@@ -432,16 +432,11 @@ impl RolloutStage {
         Ok(())
     }
 
-    /// Runs engine steps (or collects remote answers) until `until` says stop or nothing
+    /// Runs engine steps (or collects remote answers) until `deadline` or until nothing
     /// is in flight; emits finished samples and releases finished groups.
-    async fn drive(
-        &mut self,
-        out: &mut Emitter,
-        mut until: impl FnMut(&Self) -> bool,
-        deadline: Instant,
-    ) -> Result<(), StageError> {
+    async fn drive(&mut self, out: &mut Emitter, deadline: Instant) -> Result<(), StageError> {
         let mut done = Vec::new();
-        while !until(self) {
+        while Instant::now() < deadline {
             let mut new = Vec::new();
             match &mut self.backend {
                 Backend::Local(engine) => {
@@ -725,7 +720,7 @@ impl Stage for RolloutStage {
 
     async fn tick(&mut self, out: &mut Emitter) -> Result<(), StageError> {
         let deadline = Instant::now() + Duration::from_millis(self.cfg.slice_ms);
-        self.drive(out, |_| Instant::now() >= deadline, deadline).await
+        self.drive(out, deadline).await
     }
 
     async fn close(&mut self, _out: &mut Emitter) -> Result<(), StageError> {
