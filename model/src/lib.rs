@@ -32,6 +32,7 @@ pub mod gguf;
 pub mod infer;
 pub mod loss;
 pub mod model;
+pub mod openai;
 pub mod optim;
 pub mod parity;
 pub mod tokenizer;

@@ -15,8 +15,9 @@
 
 use std::time::Duration;
 
-use serde_json::{Value, json};
-use streamrl_model::engine::{FinishReason, Output, SamplingParams};
+use serde::Serialize;
+use streamrl_model::engine::{Output, SamplingParams};
+use streamrl_model::openai::{LoadWeights, Request, TextCompletion};
 use tokio::task::JoinSet;
 
 use crate::now_ms;
@@ -45,95 +46,37 @@ pub fn base_url(url: &str) -> Result<String, String> {
     Ok(format!("http://{rest}"))
 }
 
-fn finish(reason: &str, text: &str, tool_stops: &[String]) -> FinishReason {
-    match reason {
-        "length" => FinishReason::Length,
-        _ if tool_stops.iter().any(|m| text.ends_with(m.as_str())) => FinishReason::ToolCall,
-        _ => FinishReason::Stop,
-    }
-}
-
-/// Parses one completion choice: token ids from `token_id:N` logprob tokens, their
-/// logprobs, versions when the server reports them.
-fn parse_choice(
+/// Reads a completions answer's first choice as request `id`'s output.
+fn read_answer(
+    url: &str,
+    bytes: &[u8],
     id: u64,
     prompt_len: usize,
-    c: &Value,
-    stops: &[String],
-    tool_stops: &[String],
+    params: &SamplingParams,
     version: u32,
-    started: i64,
 ) -> Result<Output, String> {
-    let lp = c
-        .get("logprobs")
-        .filter(|l| !l.is_null())
-        .ok_or("the server returned no logprobs")?;
-    let tokens: Vec<u32> = lp
-        .get("tokens")
-        .and_then(Value::as_array)
-        .ok_or("logprobs.tokens is missing")?
-        .iter()
-        .map(|t| {
-            t.as_str()
-                .and_then(|s| s.strip_prefix("token_id:"))
-                .and_then(|n| n.parse().ok())
-                .ok_or_else(|| {
-                    format!("token {t} is not `token_id:N`: the server must support return_tokens_as_token_ids")
-                })
-        })
-        .collect::<Result<_, _>>()?;
-    let logprobs: Vec<f32> = lp
-        .get("token_logprobs")
-        .and_then(Value::as_array)
-        .ok_or("logprobs.token_logprobs is missing")?
-        .iter()
-        .map(|x| {
-            x.as_f64()
-                .map(|v| v as f32)
-                .ok_or_else(|| format!("logprob {x} is not a number"))
-        })
-        .collect::<Result<_, _>>()?;
-    if logprobs.len() != tokens.len() {
-        return Err(format!("{} tokens but {} logprobs", tokens.len(), logprobs.len()));
-    }
-    let versions = match c.get("policy_versions").and_then(Value::as_array) {
-        Some(v) if v.len() == tokens.len() => v.iter().map(|x| x.as_u64().unwrap_or(version as u64) as u32).collect(),
-        _ => vec![version; tokens.len()],
-    };
-    let mut text = c.get("text").and_then(Value::as_str).unwrap_or_default().to_string();
-    let reason = finish(
-        c.get("finish_reason").and_then(Value::as_str).unwrap_or("stop"),
-        &text,
-        tool_stops,
-    );
-    // Ordinary stop strings stay out of the text, as with the local engine.
-    for s in stops {
-        if reason == FinishReason::Stop && text.ends_with(s.as_str()) {
-            text.truncate(text.len() - s.len());
-        }
-    }
-    Ok(Output {
-        id,
-        prompt_len,
-        top_logprobs: vec![Vec::new(); tokens.len()],
-        tokens,
-        logprobs,
-        versions,
-        text,
-        finish_reason: reason,
-        queued_at: started,
-        started_at: started,
-        finished_at: now_ms(),
-    })
+    let answer: TextCompletion = serde_json::from_slice(bytes).map_err(|e| {
+        format!(
+            "POST {url}: the answer is not a completion ({e}): {}",
+            String::from_utf8_lossy(bytes)
+        )
+    })?;
+    let choice = answer
+        .choices
+        .into_iter()
+        .next()
+        .ok_or_else(|| format!("POST {url}: no choices in the answer"))?;
+    choice.into_output(id, prompt_len, params, version)
 }
 
 /// POSTs a JSON body; the answer's bytes on a 2xx, else an error naming the URL, the
 /// status and the server's answer.
-async fn post_json(client: &reqwest::Client, url: &str, body: &Value) -> Result<Vec<u8>, String> {
+async fn post_json(client: &reqwest::Client, url: &str, body: &impl Serialize) -> Result<Vec<u8>, String> {
+    let body = serde_json::to_vec(body).map_err(|e| format!("POST {url}: {e}"))?;
     let resp = client
         .post(url)
         .header("content-type", "application/json")
-        .body(body.to_string())
+        .body(body)
         .send()
         .await
         .map_err(|e| format!("POST {url}: {e}"))?;
@@ -187,47 +130,22 @@ impl RemoteEngine {
         self.tasks.len()
     }
 
-    /// Sends one sample's request; its [`Output`] comes back from [`Self::next`].
+    /// Sends one sample's request ([`Request::for_sample`]); its [`Output`] comes back
+    /// from [`Self::next`].
     pub fn submit(&mut self, id: u64, prompt: Vec<u32>, params: &SamplingParams) {
-        let mut stops = params.stop.clone();
-        stops.extend(params.tool_call_stop.iter().cloned());
-        let mut body = json!({
-            "prompt": prompt,
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "seed": params.seed,
-            "logprobs": 1,
-            "return_tokens_as_token_ids": true,
-            "include_stop_str_in_output": true,
-            "skip_special_tokens": false,
-            "stop": stops,
-        });
-        if let Some(m) = &self.model {
-            body["model"] = json!(m);
-        }
-        if params.top_k > 0 {
-            body["top_k"] = json!(params.top_k);
-        }
-        if params.ignore_eos {
-            body["ignore_eos"] = json!(true);
-        }
+        let body = Request::for_sample(&prompt, params, self.model.as_deref());
         let (client, url) = (self.client.clone(), format!("{}/v1/completions", self.base));
-        let (stop, tool_stops, version) = (params.stop.clone(), params.tool_call_stop.clone(), self.version);
-        let prompt_len = prompt.len();
+        let (params, version, prompt_len) = (params.clone(), self.version, prompt.len());
         self.tasks.spawn(async move {
             let started = now_ms();
-            let r = async {
-                let bytes = post_json(&client, &url, &body).await?;
-                let v: Value =
-                    serde_json::from_slice(&bytes).map_err(|e| format!("POST {url}: the answer is not JSON: {e}"))?;
-                let c = v
-                    .get("choices")
-                    .and_then(|c| c.get(0))
-                    .ok_or_else(|| format!("POST {url}: no choices in {v}"))?;
-                parse_choice(id, prompt_len, c, &stop, &tool_stops, version, started)
-            }
-            .await;
+            let r = match post_json(&client, &url, &body).await {
+                Ok(bytes) => read_answer(&url, &bytes, id, prompt_len, &params, version),
+                Err(e) => Err(e),
+            };
+            let r = r.map(|mut o| {
+                (o.queued_at, o.started_at, o.finished_at) = (started, started, now_ms());
+                o
+            });
             (id, r)
         });
     }
@@ -249,7 +167,11 @@ impl RemoteEngine {
     /// checkpoint directory the server can read or an `http://` checkpoint URL it fetches.
     pub async fn load_weights(&mut self, location: &str, version: u32, sha256: &str) -> Result<(), String> {
         let url = format!("{}/v1/load_weights", self.base);
-        let body = json!({"path": location, "version": version, "sha256": sha256});
+        let body = LoadWeights {
+            path: Some(location.to_string()),
+            version: Some(version),
+            sha256: Some(sha256.to_string()),
+        };
         post_json(&self.client, &url, &body).await?;
         self.version = version;
         Ok(())
@@ -266,30 +188,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn urls_and_choices_parse() {
+    fn urls_parse() {
         assert_eq!(base_url("openai://127.0.0.1:8000").unwrap(), "http://127.0.0.1:8000");
         assert_eq!(base_url("http://gpu-3:8000/").unwrap(), "http://gpu-3:8000");
         assert!(base_url("kafka://x:1").unwrap_err().contains("expected openai://"));
         assert!(base_url("openai://nohost").unwrap_err().contains("host:port"));
-        let c = json!({"text": "12</python>", "finish_reason": "stop", "policy_versions": [3, 4, 4],
-                       "logprobs": {"tokens": ["token_id:5", "token_id:6", "token_id:7"], "token_logprobs": [-0.1, -0.2, -0.3]}});
-        let o = parse_choice(9, 4, &c, &[], &["</python>".into()], 2, 0).unwrap();
-        assert_eq!(
-            (o.tokens, o.versions, o.finish_reason),
-            (vec![5, 6, 7], vec![3, 4, 4], FinishReason::ToolCall)
-        );
-        let c = json!({"text": "42\n\n", "finish_reason": "stop",
-                       "logprobs": {"tokens": ["token_id:1"], "token_logprobs": [-0.5]}});
-        let o = parse_choice(9, 4, &c, &["\n\n".into()], &[], 2, 0).unwrap();
-        assert_eq!(
-            (o.text.as_str(), o.versions, o.finish_reason),
-            ("42", vec![2], FinishReason::Stop)
-        );
-        let bad = json!({"text": "x", "logprobs": {"tokens": ["x"], "token_logprobs": [-1.0]}});
-        assert!(
-            parse_choice(1, 1, &bad, &[], &[], 0, 0)
-                .unwrap_err()
-                .contains("return_tokens_as_token_ids")
-        );
+    }
+
+    #[test]
+    fn answers_that_are_not_completions_are_named() {
+        let p = SamplingParams::default();
+        let e = read_answer("u", b"{\"error\": 1}", 1, 1, &p, 0).unwrap_err();
+        assert!(e.contains("not a completion") && e.contains("{\"error\": 1}"), "{e}");
+        let empty = br#"{"id": "x", "object": "text_completion", "created": 0, "model": "m", "choices": []}"#;
+        assert!(read_answer("u", empty, 1, 1, &p, 0).unwrap_err().contains("no choices"));
     }
 }

@@ -1,5 +1,6 @@
-//! The request bodies `streamrl serve` reads, typed: every field has the type the OpenAI
-//! API gives it, so a wrongly typed value (`"stream": "yes"`, `"top_logprobs": -1`,
+//! The request body of `/v1/completions` and `/v1/chat/completions`, typed: what
+//! `streamrl serve` reads and what the rollout stage's remote engine sends. Every field has
+//! the type the OpenAI API gives it, so a wrongly typed value (`"stream": "yes"`, `"top_logprobs": -1`,
 //! `"max_tokens": 1e300`) is a 400 that names the field ([`parse`]), and [`Request::check`]
 //! then reports every out-of-range value at once. Fields of vLLM's API that streamrl
 //! implements are read too; fields that would change the output and that streamrl does
@@ -8,9 +9,10 @@
 
 use std::collections::HashMap;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use streamrl_model::engine::MAX_TOP_LOGPROBS;
+
+use crate::engine::{MAX_TOP_LOGPROBS, SamplingParams};
 
 /// A problem with one field: the message and the field's path (`param` in the answer).
 #[derive(Debug, Clone, PartialEq)]
@@ -32,15 +34,17 @@ impl Problem {
 }
 
 /// `stream_options`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct StreamOptions {
     /// Send a last chunk with the request's token usage (and `"usage": null` before).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub include_usage: Option<bool>,
 }
 
 /// `logprobs`: a boolean in the chat API, a count of alternatives in the completions API.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(untagged)]
 pub enum Logprobs {
     /// `true` / `false`.
     Flag(bool),
@@ -68,7 +72,8 @@ impl<'de> Deserialize<'de> for Logprobs {
 }
 
 /// A seed: any signed or unsigned 64-bit integer (a negative one is taken modulo 2^64).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(transparent)]
 pub struct Seed(pub u64);
 
 impl<'de> Deserialize<'de> for Seed {
@@ -91,7 +96,7 @@ impl<'de> Deserialize<'de> for Seed {
 }
 
 /// A chat message's content: a string or a list of parts.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(untagged)]
 pub enum Content {
     /// Plain text.
@@ -101,18 +106,18 @@ pub enum Content {
 }
 
 /// One content part.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 pub struct Part {
     /// `text` (others, such as `image_url`, are refused).
     #[serde(rename = "type")]
     pub kind: String,
     /// The text of a `text` part.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub text: Option<String>,
 }
 
 /// One chat message.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 pub struct Message {
     /// `system`, `user`, `assistant`, `tool`, …
     pub role: String,
@@ -121,74 +126,105 @@ pub struct Message {
     pub content: Option<Content>,
 }
 
-/// Both endpoints' request body (`prompt` for completions, `messages` for chat).
-#[derive(Debug, Default, Deserialize)]
+/// Both endpoints' request body (`prompt` for completions, `messages` for chat). Fields
+/// left `None` are not sent.
+#[derive(Debug, Default, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct Request {
     /// Must be the served model's name when given.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     /// Completions: a string, a list of token ids, or a list holding one of those.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt: Option<Value>,
     /// Chat: the conversation.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub messages: Option<Vec<Message>>,
     /// Choices per request (1..=128).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub n: Option<u64>,
     /// Sampling temperature (0..=2; 0 is greedy).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f64>,
     /// Nucleus mass in (0, 1].
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub top_p: Option<f64>,
     /// Keep the k most likely tokens (vLLM; 0 or -1: off).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub top_k: Option<i64>,
     /// New tokens at most.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u64>,
     /// The chat API's newer name for `max_tokens`.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_completion_tokens: Option<u64>,
     /// A stop string or a list of them.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub stop: Option<Stop>,
     /// Token ids that end a choice (vLLM).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub stop_token_ids: Option<Vec<u32>>,
     /// RNG seed (any 64-bit integer, signed or not).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub seed: Option<Seed>,
     /// Server-sent events.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub stream: Option<bool>,
     /// Streaming options.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub stream_options: Option<StreamOptions>,
     /// Chat: `true` for logprobs; completions: the number of alternatives per token.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<Logprobs>,
     /// Chat: alternatives per token (0..=20, needs `logprobs: true`).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub top_logprobs: Option<u64>,
     /// Completions: the prompt is part of the answer's text (and of its logprobs).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub echo: Option<bool>,
     /// Keep generating past end-of-sequence (vLLM).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub ignore_eos: Option<bool>,
     /// Keep the stop string in the text (vLLM; finish reason `tool_calls` in chat).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub include_stop_str_in_output: Option<bool>,
     /// Logprob tokens as `token_id:N` (vLLM); streamrl adds `policy_versions`.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub return_tokens_as_token_ids: Option<bool>,
     /// Accepted for vLLM clients; special tokens are never removed from streamrl's text.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub skip_special_tokens: Option<bool>,
     /// Not implemented: refused unless 0.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub presence_penalty: Option<f64>,
     /// Not implemented: refused unless 0.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub frequency_penalty: Option<f64>,
     /// Not implemented: refused unless 1.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub repetition_penalty: Option<f64>,
     /// Not implemented: refused unless empty.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub logit_bias: Option<HashMap<String, f64>>,
     /// Not implemented: refused unless empty.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub tools: Option<Vec<Value>>,
     /// Only `{"type": "text"}`.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub response_format: Option<Value>,
     /// Not implemented: refused unless 1 or n.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub best_of: Option<u64>,
     /// Not implemented: refused unless empty.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub suffix: Option<String>,
     /// Accepted and ignored.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
 }
 
 /// `stop`: one string or a list.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(untagged)]
 pub enum Stop {
     /// One stop string.
@@ -504,6 +540,60 @@ impl Request {
                 Ok((m.role.clone(), text))
             })
             .collect()
+    }
+}
+
+impl Checked {
+    /// Choice `index`'s sampling parameters: a given seed is offset by the choice's index
+    /// (choices differ, requests repeat), a missing one is random. vLLM's
+    /// `include_stop_str_in_output` keeps the stop string in the text: the engine's
+    /// tool-call stops do exactly that.
+    pub fn sampling(&self, index: usize) -> SamplingParams {
+        let (stop, kept) = if self.keep_stop {
+            (vec![], self.stop.clone())
+        } else {
+            (self.stop.clone(), vec![])
+        };
+        SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            seed: self.seed.map_or_else(rand::random, |s| s.wrapping_add(index as u64)),
+            max_tokens: self.max_tokens,
+            stop,
+            tool_call_stop: kept,
+            stop_token_ids: self.stop_token_ids.clone(),
+            ignore_eos: self.ignore_eos,
+            logprobs: self.logprobs.unwrap_or(0),
+        }
+    }
+}
+
+impl Request {
+    /// The `/v1/completions` request for one sample of an RL rollout: the prompt as token
+    /// ids, the sample's seed, `logprobs: 1` with vLLM's `return_tokens_as_token_ids` so
+    /// token ids and their logprobs come back exactly, special tokens kept, and the
+    /// tool-call markers as stop strings kept in the text (`include_stop_str_in_output`),
+    /// so a turn that ends in a call keeps its marker.
+    pub fn for_sample(prompt: &[u32], params: &SamplingParams, model: Option<&str>) -> Request {
+        let mut stops = params.stop.clone();
+        stops.extend(params.tool_call_stop.iter().cloned());
+        Request {
+            model: model.map(str::to_string),
+            prompt: Some(Value::from(prompt.to_vec())),
+            max_tokens: Some(params.max_tokens as u64),
+            temperature: Some(params.temperature as f64),
+            top_p: Some(params.top_p as f64),
+            top_k: (params.top_k > 0).then_some(params.top_k as i64),
+            seed: Some(Seed(params.seed)),
+            logprobs: Some(Logprobs::Count(1)),
+            return_tokens_as_token_ids: Some(true),
+            include_stop_str_in_output: Some(true),
+            skip_special_tokens: Some(false),
+            stop: Some(Stop::Many(stops)),
+            ignore_eos: params.ignore_eos.then_some(true),
+            ..Request::default()
+        }
     }
 }
 
