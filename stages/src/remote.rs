@@ -8,11 +8,16 @@
 //! reported as `tool_call`. `streamrl serve` also returns each token's policy version
 //! (`policy_versions`); for other servers every token gets the version last pushed.
 //!
+//! A request that fails (the server unreachable, an error answer, an answer without
+//! token ids) is sent again after a backoff (0.2 s, doubling), up to [`ATTEMPTS`] times in
+//! all, while the other requests go on; only then does [`RemoteEngine::next`] report it.
+//!
 //! Weight updates: with `sync_weights`, each new policy version is sent to
 //! `POST /v1/load_weights {path, version, sha256}` (streamrl serve: an in-flight update
 //! between two decode steps; the checkpoint path must be readable by the server). Other
 //! servers need their own weight sync; turn `sync_weights` off for them.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -22,6 +27,9 @@ use tokio::task::JoinSet;
 
 use crate::now_ms;
 
+/// Attempts per request before [`RemoteEngine::next`] reports its error.
+pub const ATTEMPTS: u32 = 5;
+
 /// The rollout stage's remote engine.
 #[derive(Debug)]
 pub struct RemoteEngine {
@@ -29,6 +37,9 @@ pub struct RemoteEngine {
     base: String,
     model: Option<String>,
     tasks: JoinSet<(u64, Result<Output, String>)>,
+    /// Requests in flight, kept for retries: prompt, parameters, attempts so far.
+    sent: HashMap<u64, (Vec<u32>, SamplingParams, u32)>,
+    next_id: u64,
     /// The policy version the server serves, as far as this stage knows.
     version: u32,
 }
@@ -111,6 +122,8 @@ impl RemoteEngine {
             base,
             model,
             tasks: JoinSet::new(),
+            sent: HashMap::new(),
+            next_id: 0,
             version: 0,
         })
     }
@@ -125,18 +138,33 @@ impl RemoteEngine {
         self.version
     }
 
-    /// Requests in flight.
+    /// Requests in flight (retries waiting for their backoff included).
     pub fn in_flight(&self) -> usize {
-        self.tasks.len()
+        self.sent.len()
     }
 
-    /// Sends one sample's request ([`Request::for_sample`]); its [`Output`] comes back
-    /// from [`Self::next`].
-    pub fn submit(&mut self, id: u64, prompt: Vec<u32>, params: &SamplingParams) {
-        let body = Request::for_sample(&prompt, params, self.model.as_deref());
+    /// Sends one sample's request ([`Request::for_sample`]) and returns its id; its
+    /// [`Output`] comes back from [`Self::next`]. Parameters the engine cannot honour are
+    /// refused here, naming them.
+    pub fn submit(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<u64, String> {
+        let problems = params.problems();
+        if !problems.is_empty() {
+            return Err(problems.join("; "));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.send(id, &prompt, &params, Duration::ZERO);
+        self.sent.insert(id, (prompt, params, 1));
+        Ok(id)
+    }
+
+    /// Posts request `id` after `delay`.
+    fn send(&mut self, id: u64, prompt: &[u32], params: &SamplingParams, delay: Duration) {
+        let body = Request::for_sample(prompt, params, self.model.as_deref());
         let (client, url) = (self.client.clone(), format!("{}/v1/completions", self.base));
         let (params, version, prompt_len) = (params.clone(), self.version, prompt.len());
         self.tasks.spawn(async move {
+            tokio::time::sleep(delay).await;
             let started = now_ms();
             let r = match post_json(&client, &url, &body).await {
                 Ok(bytes) => read_answer(&url, &bytes, id, prompt_len, &params, version),
@@ -151,15 +179,36 @@ impl RemoteEngine {
     }
 
     /// The next finished request (waits up to `wait`; `None`: nothing finished in time
-    /// or nothing in flight).
-    pub async fn next(&mut self, wait: Duration) -> Option<(u64, Result<Output, String>)> {
-        if self.tasks.is_empty() {
-            return None;
-        }
-        match tokio::time::timeout(wait, self.tasks.join_next()).await {
-            Ok(Some(Ok(r))) => Some(r),
-            Ok(Some(Err(e))) => Some((u64::MAX, Err(format!("request task failed: {e}")))),
-            _ => None,
+    /// or nothing in flight). A failed request is retried (its error logged) until its
+    /// [`ATTEMPTS`]-th failure, which is returned.
+    pub async fn next(&mut self, wait: Duration) -> Option<Result<Output, String>> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            if self.tasks.is_empty() {
+                return None;
+            }
+            let (id, r) = match tokio::time::timeout_at(deadline, self.tasks.join_next()).await {
+                Ok(Some(Ok(r))) => r,
+                Ok(Some(Err(e))) => return Some(Err(format!("engine {}: request task failed: {e}", self.base))),
+                _ => return None,
+            };
+            let Some((prompt, params, attempts)) = self.sent.remove(&id) else {
+                continue;
+            };
+            match r {
+                Ok(o) => return Some(Ok(o)),
+                Err(e) if attempts >= ATTEMPTS => {
+                    return Some(Err(format!(
+                        "engine {}: a request failed {attempts} times; last error: {e}",
+                        self.base
+                    )));
+                }
+                Err(e) => {
+                    tracing::warn!(engine = %self.base, attempt = attempts, error = %e, "remote request failed; retrying");
+                    self.send(id, &prompt, &params, Duration::from_millis(100 << attempts.min(5)));
+                    self.sent.insert(id, (prompt, params, attempts + 1));
+                }
+            }
         }
     }
 
@@ -202,5 +251,62 @@ mod tests {
         assert!(e.contains("not a completion") && e.contains("{\"error\": 1}"), "{e}");
         let empty = br#"{"id": "x", "object": "text_completion", "created": 0, "model": "m", "choices": []}"#;
         assert!(read_answer("u", empty, 1, 1, &p, 0).unwrap_err().contains("no choices"));
+    }
+
+    /// A server that answers 503 to the first `failures` requests, then a completion of
+    /// two tokens; returns its URL and the count of requests it saw.
+    async fn flaky(failures: usize) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let seen = std::sync::Arc::new(AtomicUsize::new(0));
+        let count = seen.clone();
+        let app = axum::Router::new().route(
+            "/v1/completions",
+            axum::routing::post(move || {
+                let n = count.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    if n < failures {
+                        return (axum::http::StatusCode::SERVICE_UNAVAILABLE, "warming up".to_string());
+                    }
+                    let body = r#"{"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": [
+                        {"index": 0, "text": "ab", "finish_reason": "length",
+                         "logprobs": {"tokens": ["token_id:3", "token_id:4"], "token_logprobs": [-0.5, -0.25]}}]}"#;
+                    (axum::http::StatusCode::OK, body.to_string())
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (format!("openai://{addr}"), seen)
+    }
+
+    #[tokio::test]
+    async fn failed_requests_are_retried_then_reported() {
+        use std::sync::atomic::Ordering;
+        let params = SamplingParams {
+            max_tokens: 2,
+            ..Default::default()
+        };
+        // Two failures, then an answer: the caller sees only the answer.
+        let (url, seen) = flaky(2).await;
+        let mut e = RemoteEngine::new(&url, None, None).unwrap();
+        let id = e.submit(vec![1, 2], params.clone()).unwrap();
+        let o = e.next(Duration::from_secs(30)).await.unwrap().unwrap();
+        assert_eq!((o.id, o.tokens, e.in_flight()), (id, vec![3, 4], 0));
+        assert_eq!(seen.load(Ordering::SeqCst), 3);
+        // A server that never answers well: the error after the last attempt, naming it.
+        let (url, seen) = flaky(usize::MAX).await;
+        let mut e = RemoteEngine::new(&url, None, None).unwrap();
+        e.submit(vec![1], params.clone()).unwrap();
+        let err = e.next(Duration::from_secs(30)).await.unwrap().unwrap_err();
+        assert!(
+            err.contains(&format!("failed {ATTEMPTS} times")) && err.contains("warming up"),
+            "{err}"
+        );
+        assert_eq!(seen.load(Ordering::SeqCst), ATTEMPTS as usize);
+        assert!(e.next(Duration::from_millis(10)).await.is_none());
+        // Parameters the engine cannot honour never leave the stage.
+        let bad = SamplingParams { top_p: 0.0, ..params };
+        assert!(e.submit(vec![1], bad).is_err());
     }
 }

@@ -163,16 +163,9 @@ enum Pending {
 enum Backend {
     /// The in-process engine.
     Local(Box<Engine>),
-    /// A remote OpenAI-compatible server; requests kept for retries.
-    Remote {
-        engine: RemoteEngine,
-        sent: HashMap<u64, (Vec<u32>, SamplingParams, u32)>,
-        next_id: u64,
-    },
+    /// A remote OpenAI-compatible server (it retries failed requests itself).
+    Remote(RemoteEngine),
 }
-
-/// Attempts per remote request before the stage stops with the error.
-const REMOTE_ATTEMPTS: u32 = 5;
 
 /// The rollout stage.
 pub struct RolloutStage {
@@ -256,14 +249,7 @@ impl RolloutStage {
                 },
             };
             let engine = RemoteEngine::new(&cfg.engine, cfg.served_model_name.clone(), key).map_err(|e| vec![e])?;
-            (
-                Backend::Remote {
-                    engine,
-                    sent: HashMap::new(),
-                    next_id: 0,
-                },
-                tokenizer,
-            )
+            (Backend::Remote(engine), tokenizer)
         };
         Ok(RolloutStage {
             instruments: ctx.instruments(),
@@ -284,7 +270,7 @@ impl RolloutStage {
     pub fn version(&self) -> u32 {
         match &self.backend {
             Backend::Local(e) => e.version(),
-            Backend::Remote { engine, .. } => engine.version(),
+            Backend::Remote(engine) => engine.version(),
         }
     }
 
@@ -292,17 +278,7 @@ impl RolloutStage {
     fn submit(&mut self, tokens: Vec<u32>, params: SamplingParams) -> Result<u64, String> {
         match &mut self.backend {
             Backend::Local(e) => e.add(tokens, params).map_err(|e| e.to_string()),
-            Backend::Remote { engine, sent, next_id } => {
-                let problems = params.problems();
-                if !problems.is_empty() {
-                    return Err(problems.join("; "));
-                }
-                let id = *next_id;
-                *next_id += 1;
-                engine.submit(id, tokens.clone(), &params);
-                sent.insert(id, (tokens, params, 1));
-                Ok(id)
-            }
+            Backend::Remote(engine) => engine.submit(tokens, params),
         }
     }
 
@@ -450,34 +426,13 @@ impl RolloutStage {
                         _ => None,
                     }));
                 }
-                Backend::Remote { engine, sent, .. } => {
-                    if engine.in_flight() == 0 {
-                        break;
-                    }
+                Backend::Remote(engine) => {
                     let wait = deadline
                         .saturating_duration_since(Instant::now())
                         .max(Duration::from_millis(1));
-                    let Some((id, r)) = engine.next(wait).await else { break };
-                    match r {
-                        Ok(o) => {
-                            sent.remove(&id);
-                            new.push(o);
-                        }
-                        Err(e) => {
-                            let Some((tokens, params, attempts)) = sent.remove(&id) else {
-                                return Err(StageError::internal(format!("engine {}: {e}", engine.base())));
-                            };
-                            if attempts >= REMOTE_ATTEMPTS {
-                                return Err(StageError::internal(format!(
-                                    "engine {}: a request failed {attempts} times; last error: {e}",
-                                    engine.base()
-                                )));
-                            }
-                            tracing::warn!(engine = engine.base(), attempt = attempts, error = %e, "remote request failed; retrying");
-                            tokio::time::sleep(Duration::from_millis(100 << attempts.min(5))).await;
-                            engine.submit(id, tokens.clone(), &params);
-                            sent.insert(id, (tokens, params, attempts + 1));
-                        }
+                    match engine.next(wait).await {
+                        None => break,
+                        Some(r) => new.push(r.map_err(StageError::internal)?),
                     }
                 }
             }
@@ -624,7 +579,7 @@ impl RolloutStage {
                 Ok(dir) => compute(|| engine.load_weights(&dir, p.version, Some(&p.sha256))).map_err(|e| e.to_string()),
                 Err(e) => Err(e),
             },
-            Backend::Remote { engine, .. } if sync => {
+            Backend::Remote(engine) if sync => {
                 let location = if p.uri.starts_with("http") {
                     p.uri.clone()
                 } else {
@@ -632,7 +587,7 @@ impl RolloutStage {
                 };
                 engine.load_weights(&location, p.version, &p.sha256).await
             }
-            Backend::Remote { engine, .. } => {
+            Backend::Remote(engine) => {
                 engine.set_version(p.version);
                 Ok(())
             }

@@ -4,30 +4,31 @@
 use std::sync::Arc;
 
 use axum::http::StatusCode;
-use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::sse::Sse;
 use axum::response::{IntoResponse, Response};
 use streamrl_model::Tokenizer;
 use streamrl_model::engine::{FinishReason, Output, PromptScores, SamplingParams};
 use streamrl_model::openai::{
-    self, AssistantMessage, ChatChoice, ChatDelta, ChatLogprob, ChatLogprobs, Checked, Completion, Delta, ErrorBody,
-    TextChoice, TextLogprobs, TopLogprob, Usage, finish_name,
+    AssistantMessage, ChatChoice, ChatDelta, ChatLogprob, ChatLogprobs, Checked, Completion, Delta, TextChoice,
+    TextLogprobs, TopLogprob, Usage, finish_name,
 };
 use tokio::sync::mpsc;
 
 use super::AppState;
 use super::engine::{Add, Cmd, Ev, Tok};
 use super::routes::{Parsed, error, now};
+use super::stream::{async_stream, stream};
 
 /// One logprob entry: a token, its logprob (none for the first prompt token) and the
 /// alternatives at its position.
-struct Entry<'a> {
+pub struct Entry<'a> {
     token: u32,
     logprob: Option<f32>,
     top: Option<&'a [(u32, f32)]>,
 }
 
 /// Logprobs in one endpoint's format.
-enum Logprobs {
+pub enum Logprobs {
     Text(TextLogprobs),
     Chat(ChatLogprobs),
 }
@@ -49,7 +50,7 @@ impl Logprobs {
 }
 
 /// Renders tokens and logprobs in the endpoint's format.
-struct Render<'a> {
+pub struct Render<'a> {
     tokenizer: &'a Tokenizer,
     eos: Option<u32>,
     chat: bool,
@@ -59,7 +60,7 @@ struct Render<'a> {
 }
 
 impl<'a> Render<'a> {
-    fn new(s: &'a AppState, c: &'a Checked, chat: bool) -> Self {
+    pub fn new(s: &'a AppState, c: &'a Checked, chat: bool) -> Self {
         Render {
             tokenizer: &s.tokenizer,
             eos: s.tokenizer.eos,
@@ -79,7 +80,7 @@ impl<'a> Render<'a> {
     }
 
     /// Whether `t` ends a choice without being part of its text.
-    fn is_stop_token(&self, t: u32) -> bool {
+    pub fn is_stop_token(&self, t: u32) -> bool {
         self.params.ends_at(t, self.eos)
     }
 
@@ -96,7 +97,7 @@ impl<'a> Render<'a> {
 
     /// The logprobs of `entries`; completions' `text_offset` starts at `offset`, which
     /// moves past them.
-    fn logprobs(&self, entries: &[Entry], offset: &mut usize) -> Logprobs {
+    pub fn logprobs(&self, entries: &[Entry], offset: &mut usize) -> Logprobs {
         if self.chat {
             let content = entries
                 .iter()
@@ -146,7 +147,7 @@ impl<'a> Render<'a> {
     }
 
     /// The logprobs of a choice's streamed tokens, when asked for.
-    fn streamed(&self, toks: &[Tok], offset: &mut usize) -> Option<Logprobs> {
+    pub fn streamed(&self, toks: &[Tok], offset: &mut usize) -> Option<Logprobs> {
         self.c.logprobs?;
         let entries: Vec<Entry> = toks
             .iter()
@@ -161,7 +162,7 @@ impl<'a> Render<'a> {
 }
 
 /// The echoed prompt's entries: the first token has no logprob.
-fn prompt_entries<'a>(prompt: &[u32], scores: Option<&'a PromptScores>) -> Vec<Entry<'a>> {
+pub fn prompt_entries<'a>(prompt: &[u32], scores: Option<&'a PromptScores>) -> Vec<Entry<'a>> {
     prompt
         .iter()
         .enumerate()
@@ -235,15 +236,16 @@ pub async fn run(s: Arc<AppState>, p: Parsed, chat: bool) -> Response {
 }
 
 /// What every answer and chunk of one request shares.
-struct Head {
+pub struct Head {
     id: String,
     created: u64,
     model: String,
-    chat: bool,
+    /// The chat endpoint's answer.
+    pub chat: bool,
 }
 
 impl Head {
-    fn answer<C>(&self, object: &str, choices: Vec<C>, usage: Option<Option<Usage>>) -> Completion<C> {
+    pub fn answer<C>(&self, object: &str, choices: Vec<C>, usage: Option<Option<Usage>>) -> Completion<C> {
         Completion {
             id: self.id.clone(),
             object: object.to_string(),
@@ -255,7 +257,7 @@ impl Head {
     }
 
     /// One streamed chunk of choice `index` as JSON.
-    fn chunk(
+    pub fn chunk(
         &self,
         c: &Checked,
         index: usize,
@@ -356,103 +358,6 @@ async fn whole(
     axum::Json(head.answer("text_completion", choices, usage)).into_response()
 }
 
-/// Per choice of a streamed answer: the tokens of its text, how much text was sent, the
-/// tokens whose logprobs wait for the text they belong to, the next text offset.
-#[derive(Default)]
-struct Choice {
-    text_tokens: Vec<u32>,
-    sent: usize,
-    pending: Vec<Tok>,
-    offset: usize,
-}
-
-/// Streams the answer: chunks as text becomes safe to send (a possible stop string and a
-/// partial UTF-8 character held back), then each choice's finish, then usage.
-async fn stream(
-    s: Arc<AppState>,
-    p: Parsed,
-    head: Head,
-    scores: Option<PromptScores>,
-    mut rx: mpsc::UnboundedReceiver<(usize, Ev)>,
-    out: mpsc::UnboundedSender<String>,
-) {
-    let c = &p.c;
-    let r = Render::new(&s, c, head.chat);
-    let hold = c.stop.iter().map(String::len).max().unwrap_or(0);
-    let mut choices: Vec<Choice> = (0..c.n).map(|_| Choice::default()).collect();
-    let mut completion_tokens = 0;
-    for (i, ch) in choices.iter_mut().enumerate() {
-        if head.chat {
-            let _ = out.send(head.chunk(c, i, "", None, None, true));
-        } else if c.echo {
-            let lp = c
-                .logprobs
-                .map(|_| r.logprobs(&prompt_entries(&p.prompt, scores.as_ref()), &mut ch.offset));
-            let _ = out.send(head.chunk(c, i, &p.prompt_text, lp, None, false));
-        }
-    }
-    let mut done = 0;
-    while let Some((i, ev)) = rx.recv().await {
-        let ch = &mut choices[i];
-        match ev {
-            Ev::Token(t) => {
-                let stop_token = r.is_stop_token(t.token);
-                if !stop_token {
-                    ch.text_tokens.push(t.token);
-                }
-                if !stop_token || c.token_ids {
-                    ch.pending.push(t);
-                }
-                if stop_token {
-                    continue;
-                }
-                let text = s.tokenizer.decode(&ch.text_tokens).unwrap_or_default();
-                let mut safe = text.len().saturating_sub(hold);
-                while !text.is_char_boundary(safe) {
-                    safe -= 1;
-                }
-                if text[..safe].ends_with('\u{FFFD}') || safe <= ch.sent {
-                    continue;
-                }
-                let lp = r.streamed(&std::mem::take(&mut ch.pending), &mut ch.offset);
-                let _ = out.send(head.chunk(c, i, &text[ch.sent..safe], lp, None, false));
-                ch.sent = safe;
-            }
-            Ev::Done(o) => {
-                completion_tokens += o.tokens.len();
-                let rest = o.text.get(ch.sent..).unwrap_or_default();
-                if !rest.is_empty() || !ch.pending.is_empty() {
-                    let lp = r.streamed(&std::mem::take(&mut ch.pending), &mut ch.offset);
-                    let _ = out.send(head.chunk(c, i, rest, lp, None, false));
-                }
-                let finish = finish_name(o.finish_reason, head.chat);
-                let _ = out.send(head.chunk(c, i, "", None, Some(finish), false));
-                done += 1;
-                if done == c.n {
-                    break;
-                }
-            }
-            Ev::Error(e) => {
-                let body = ErrorBody::new("invalid_request_error", e, None, None);
-                let _ = out.send(serde_json::to_string(&body).unwrap_or_default());
-                let _ = out.send("[DONE]".to_string());
-                return;
-            }
-        }
-    }
-    if c.include_usage {
-        let usage = Some(Some(Usage::new(p.prompt.len(), completion_tokens)));
-        let object = if head.chat {
-            "chat.completion.chunk"
-        } else {
-            "text_completion"
-        };
-        let last = head.answer::<openai::TextChoice>(object, vec![], usage);
-        let _ = out.send(serde_json::to_string(&last).unwrap_or_default());
-    }
-    let _ = out.send("[DONE]".to_string());
-}
-
 /// A choice that generated nothing (`max_tokens: 0` with `echo`).
 fn empty_output(prompt_len: usize) -> Output {
     Output {
@@ -468,19 +373,4 @@ fn empty_output(prompt_len: usize) -> Output {
         started_at: 0,
         finished_at: 0,
     }
-}
-
-/// A server-sent-event stream fed by a task that sends data strings.
-fn async_stream<F, Fut>(
-    f: F,
-) -> impl futures::Stream<Item = std::result::Result<SseEvent, std::convert::Infallible>> + Send + 'static
-where
-    F: FnOnce(mpsc::UnboundedSender<String>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(f(tx));
-    futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|data| (Ok(SseEvent::default().data(data)), rx))
-    })
 }

@@ -22,6 +22,7 @@
 mod answer;
 mod engine;
 mod routes;
+mod stream;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
