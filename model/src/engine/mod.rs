@@ -11,7 +11,7 @@
 //! matrix products, and every sequence owns its key/value buffer, so joining and leaving
 //! copy nothing. On other devices the engine uses candle ops: newcomers are prefilled as a
 //! ragged batch (each into its own cache), then join the running batch's cache
-//! ([`BatchKv`]) as rows; a decode step writes every row's new keys and values with one
+//! ([`BatchKv`](crate::model::BatchKv)) as rows; a decode step writes every row's new keys and values with one
 //! scatter.
 //!
 //! Every generated token carries its logprob under the temperature-scaled distribution

@@ -79,7 +79,7 @@ pub struct SamplingParams {
 }
 
 /// Per prompt position after the first: the token's logprob and the most likely tokens
-/// there ([`Engine::prompt_logprobs`]).
+/// there ([`Engine::prompt_logprobs`](super::Engine::prompt_logprobs)).
 pub type PromptScores = Vec<(f32, Vec<(u32, f32)>)>;
 
 /// The most alternatives [`SamplingParams::logprobs`] may ask for.
@@ -163,7 +163,7 @@ impl FinishReason {
 /// A finished request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Output {
-    /// Request id from [`Engine::add`].
+    /// Request id from [`Engine::add`](super::Engine::add).
     pub id: u64,
     /// Prompt tokens.
     pub prompt_len: usize,

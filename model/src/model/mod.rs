@@ -3,10 +3,10 @@
 //! Weight names mirror Hugging Face checkpoints through `vb.pp(...)`.
 
 //!
-//! The layers are in [`layers`], [`attention`] and [`moe`]; this file assembles them into
-//! blocks and the transformer and runs the forward. Packing ([`packing`]), key/value
-//! caches ([`cache`]), activation checkpointing ([`checkpointing`]) and the logprob and
-//! entropy helpers ([`logprobs`]) have their own files.
+//! The layers are in `layers`, `attention` and `moe`; this file assembles them into
+//! blocks and the transformer and runs the forward. Packing (`packing`), key/value
+//! caches (`cache`), activation checkpointing (`checkpointing`) and the logprob and
+//! entropy helpers (`logprobs`) have their own files.
 
 mod attention;
 mod cache;
