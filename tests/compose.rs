@@ -439,11 +439,7 @@ fn compose_up_runs_the_pipeline_scales_out_while_running_and_goes_down() {
     let archive: PathBuf = host.path().join("runs/demo/archive");
     std::fs::create_dir_all(&archive).unwrap();
     std::fs::copy(&fixture, host.path().join("topology.yaml")).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port();
     let project = Project {
         name: format!("streamrl{}", suffix.replace('-', "")),
         env: vec![

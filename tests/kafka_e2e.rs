@@ -99,11 +99,7 @@ async fn stage_process_flushes_and_commits_on_sigterm() {
     let topic = common::unique("metrics");
     let stage = "archive_sigterm";
     let topo = topology(dir.path(), stage, &topic, 4);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port();
     let mut child = Command::new(env!("CARGO_BIN_EXE_streamrl"))
         .args([
             "stage",

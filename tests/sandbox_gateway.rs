@@ -4,16 +4,14 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
 const TOKEN: &str = "test-token-0123456789abcdef";
 
-/// A minimal HTTP/1.1 exchange: (status, body).
+/// One HTTP/1.1 exchange with a bearer token: (status, body).
 fn http(port: u16, method: &str, path: &str, token: Option<&str>, body: &[u8]) -> (u16, Vec<u8>) {
     http_auth(
         port,
@@ -24,42 +22,25 @@ fn http(port: u16, method: &str, path: &str, token: Option<&str>, body: &[u8]) -
     )
 }
 
-/// Like [`http`], with the whole `Authorization` value.
+/// Like [`http`], with the whole `Authorization` value (sent through reqwest).
 fn http_auth(port: u16, method: &str, path: &str, authorization: Option<&str>, body: &[u8]) -> (u16, Vec<u8>) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    let auth = authorization
-        .map(|a| format!("Authorization: {a}\r\n"))
-        .unwrap_or_default();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).unwrap();
-    // A server refusing a body (413) may answer before reading all of it.
-    let _ = s.write_all(body);
-    let mut resp = vec![];
-    s.read_to_end(&mut resp).unwrap();
-    let split = resp.windows(4).position(|w| w == b"\r\n\r\n").expect("a header");
-    let head = String::from_utf8_lossy(&resp[..split]).to_string();
-    let status: u16 = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let mut body = resp[split + 4..].to_vec();
-    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
-        body = dechunk(&body);
-    }
-    (status, body)
-}
-
-fn dechunk(mut b: &[u8]) -> Vec<u8> {
-    let mut out = vec![];
-    loop {
-        let nl = b.windows(2).position(|w| w == b"\r\n").unwrap();
-        let n = usize::from_str_radix(std::str::from_utf8(&b[..nl]).unwrap().trim(), 16).unwrap();
-        if n == 0 {
-            return out;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let mut req = reqwest::Client::new()
+            .request(method, format!("http://127.0.0.1:{port}{path}"))
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body.to_vec());
+        if let Some(a) = authorization {
+            req = req.header(reqwest::header::AUTHORIZATION, a);
         }
-        out.extend_from_slice(&b[nl + 2..nl + 2 + n]);
-        b = &b[nl + 4 + n..];
-    }
+        let resp = req.send().await.unwrap_or_else(|e| panic!("{path}: {e}"));
+        let status = resp.status().as_u16();
+        (status, resp.bytes().await.unwrap().to_vec())
+    })
 }
 
 fn json_of(body: &[u8]) -> Value {
@@ -68,11 +49,7 @@ fn json_of(body: &[u8]) -> Value {
 
 #[test]
 fn the_gateway_runs_commands_and_sessions_behind_a_token() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port();
     // The streamrl binary alone, as the Dockerfile ships it: it is its own sandbox init
     // (no `streamrl-sandbox-init` beside it, none named by the environment).
     let alone = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("alone-{}", std::process::id()));
@@ -100,11 +77,7 @@ fn the_gateway_runs_commands_and_sessions_behind_a_token() {
             .spawn()
             .unwrap(),
     );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "the gateway did not listen within 30 s");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::wait_listening(port, "the gateway", Duration::from_secs(30));
     let t = Some(TOKEN);
 
     // Auth.

@@ -6,7 +6,7 @@ mod common;
 
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const CLIENT: &str = r#"
 import json, sys, urllib.request, urllib.error
@@ -85,11 +85,7 @@ fn init_tiny(dir: &Path, seed: &str) {
 
 /// `streamrl serve` on a free port with `args` and `envs`, once it listens.
 fn start_serve(ckpt: &Path, args: &[&str], envs: &[(&str, &str)]) -> (common::Server, u16) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port();
     let server = common::Server(
         Command::new(env!("CARGO_BIN_EXE_streamrl"))
             .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--checkpoint"])
@@ -101,11 +97,7 @@ fn start_serve(ckpt: &Path, args: &[&str], envs: &[(&str, &str)]) -> (common::Se
             .spawn()
             .unwrap(),
     );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "serve did not listen within 30 s");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::wait_listening(port, "serve", Duration::from_secs(30));
     (server, port)
 }
 

@@ -13,6 +13,8 @@ use streamrl_model::engine::{Engine, EngineConfig, EngineStats, SamplingParams};
 use streamrl_model::infer::CpuModel;
 use streamrl_model::{Packed, Transformer, checkpoint};
 
+use super::stats::median;
+
 const VOCAB: usize = 100;
 const PROMPT: usize = 16;
 
@@ -225,11 +227,6 @@ fn static_batches(cpu: &CpuModel, requests: &[(Vec<u32>, usize)], slots: usize) 
         }
     }
     Ok(t0.elapsed().as_secs_f64())
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn argmax_rows(logits: &[f32], v: usize) -> Vec<u32> {

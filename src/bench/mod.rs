@@ -7,6 +7,7 @@ mod gpu;
 mod sandbox;
 mod scale;
 mod sql;
+mod stats;
 mod train;
 mod weights;
 

@@ -7,10 +7,7 @@ use std::time::Instant;
 use anyhow::{Result, bail};
 use streamrl_sandbox::{ExecRequest, ExecStatus, Pool, SandboxConfig};
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
+use super::stats::{median, percentile};
 
 struct Run {
     p50: f64,
@@ -43,11 +40,6 @@ fn machine_cpu_ms() -> f64 {
 }
 
 /// The middle value (the upper one of an even count).
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Each column's median over rounds.
 fn median_run(runs: &[Run]) -> Run {
     let med = |f: fn(&Run) -> f64| median(runs.iter().map(f).collect());

@@ -200,8 +200,7 @@ pub fn run(run_dir: &Path, rounds: usize, exe: Option<PathBuf>) -> Result<()> {
             times.push(t);
             rows = r;
         }
-        times.sort_by(f64::total_cmp);
-        let ours = times[times.len() / 2];
+        let ours = super::stats::median(times);
         match &duck {
             Some(d) => {
                 let (theirs, their_rows) = d[i];

@@ -12,6 +12,8 @@ use streamrl_model::engine::{Engine, EngineConfig};
 use streamrl_model::{Tokenizer, checkpoint, config};
 use streamrl_stages::weights::{CheckpointServer, fetch};
 
+use super::stats::median;
+
 /// Publication → every replica serving, in ms: each replica loads `location` (fetched
 /// first when it is an `http://` URL) as `version`, all at once on their own threads.
 fn sync_ms(engines: &mut [Engine], location: &str, version: u32, sha: &str, cache: &Path) -> Result<f64> {
@@ -39,11 +41,6 @@ fn sync_ms(engines: &mut [Engine], location: &str, version: u32, sha: &str, cach
         })
     })?;
     Ok(t0.elapsed().as_secs_f64() * 1e3)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 pub fn run(versions: usize) -> Result<()> {

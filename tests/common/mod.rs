@@ -81,8 +81,21 @@ impl Drop for Server {
     }
 }
 
-fn free_port() -> u16 {
+/// A free 127.0.0.1 port (bound, then released for the server a test starts).
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Waits until something listens on 127.0.0.1:`port`; panics naming `what` after `within`.
+pub fn wait_listening(port: u16, what: &str, within: Duration) {
+    let deadline = Instant::now() + within;
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "{what} did not listen on 127.0.0.1:{port} within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// A broker of its own (tansu) on a free 127.0.0.1 port, stopped when dropped: for tests
@@ -126,11 +139,7 @@ impl Broker {
             .stderr(Stdio::null())
             .spawn()
             .expect("starting tansu");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "tansu did not listen on 127.0.0.1:{port}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_listening(port, "tansu", Duration::from_secs(20));
         Broker {
             child,
             port,
@@ -181,11 +190,7 @@ impl S3 {
         }
         let child = cmd.spawn().expect("starting moto");
         let endpoint = format!("http://127.0.0.1:{port}");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "moto did not listen on 127.0.0.1:{port}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        wait_listening(port, "moto", Duration::from_secs(60));
         let s3 = S3 { child, endpoint };
         run(
             Command::new(&python).arg("-c").arg(format!(
@@ -231,14 +236,7 @@ pub fn kafka_url() -> String {
             .stdin(Stdio::null())
             .spawn()
             .expect("starting tansu");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "tansu did not listen on 127.0.0.1:{port} within 20 s"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_listening(port, "tansu", Duration::from_secs(20));
         eprintln!("kafka conformance: tansu broker at 127.0.0.1:{port}");
         format!("kafka://127.0.0.1:{port}")
     })
