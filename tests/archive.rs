@@ -54,7 +54,7 @@ async fn archived_run(dir: &Path) -> Arc<dyn Bus> {
         bus.create_topic(&s).await.unwrap();
     }
     let cfg: ArchiveConfig = serde_yaml::from_value(topo.stages["archive"].config.clone()).unwrap();
-    let stage = ArchiveStage::build(cfg, dir, "archive-0").unwrap();
+    let stage = ArchiveStage::new(cfg, dir, "archive-0");
     let shutdown = Shutdown::new();
     let metrics = Arc::new(StageMetrics::default());
     let task = tokio::spawn(run_stage(

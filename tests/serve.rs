@@ -301,10 +301,10 @@ fn serve_streams_logprobs_and_usage_echoes_prompts_and_refuses_mistyped_fields_a
 /// pushed to the server between steps (a bad checksum keeps the old weights).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rollout_stage_drives_serve_as_a_remote_engine_with_weight_updates() {
-    use std::sync::Arc;
+    use streamrl_runtime::build::{BuildContext, BuildStage};
     use streamrl_runtime::{Emitter, Input, Stage};
     use streamrl_schemas::{PolicyRow, PromptRow, RolloutRow, SchemaId, TopicRow};
-    use streamrl_stages::rollout::{RolloutConfig, RolloutStage};
+    use streamrl_stages::rollout::{EngineChoice, OpenAiEngine, RolloutConfig, RolloutStage};
 
     let dir = tempfile::tempdir().unwrap();
     let (v0, v1) = (dir.path().join("v0"), dir.path().join("v1"));
@@ -318,19 +318,13 @@ async fn the_rollout_stage_drives_serve_as_a_remote_engine_with_weight_updates()
     unsafe {
         std::env::set_var("STREAMRL_TEST_REMOTE_KEY", "sk-stage-key")
     };
-    let envs = streamrl_stages::build_envs(&serde_yaml::from_str("arith: {}").unwrap())
-        .unwrap()
-        .map(Arc::new);
-    let ctx = streamrl_stages::Ctx {
+    let ctx = BuildContext {
         run_id: "t".into(),
         run_dir: dir.path().into(),
-        stage: "rollout".into(),
-        replica: 0,
         inputs: vec![("prompts".into(), SchemaId::Prompts)],
         outputs: vec![("rollouts".into(), SchemaId::Rollouts)],
-        envs,
-        durable_bus: false,
-        bus: None,
+        envs: serde_yaml::from_str("arith: {}").unwrap(),
+        ..BuildContext::new("rollout", 0)
     };
     let local = RolloutConfig {
         checkpoint: v0.clone(),
@@ -338,15 +332,20 @@ async fn the_rollout_stage_drives_serve_as_a_remote_engine_with_weight_updates()
         ..Default::default()
     };
     let remote = RolloutConfig {
-        engine: format!("openai://127.0.0.1:{port}"),
-        api_key_env: Some("STREAMRL_TEST_REMOTE_KEY".into()),
+        engine: EngineChoice::Openai(OpenAiEngine {
+            api_key_env: Some("STREAMRL_TEST_REMOTE_KEY".into()),
+            ..OpenAiEngine::at(format!("openai://127.0.0.1:{port}"))
+        }),
         ..local.clone()
     };
     let unset = RolloutConfig {
-        api_key_env: Some("STREAMRL_TEST_UNSET_KEY".into()),
+        engine: EngineChoice::Openai(OpenAiEngine {
+            api_key_env: Some("STREAMRL_TEST_UNSET_KEY".into()),
+            ..OpenAiEngine::at(format!("openai://127.0.0.1:{port}"))
+        }),
         ..remote.clone()
     };
-    let err = RolloutStage::build(unset, ctx.clone()).err().unwrap().join("; ");
+    let err = RolloutStage::build(unset, &ctx).err().unwrap().to_string();
     assert!(err.contains("STREAMRL_TEST_UNSET_KEY"), "{err}");
     let tok = streamrl_model::Tokenizer::char_level();
     let prompt = |group: &str| PromptRow {
@@ -387,8 +386,8 @@ async fn the_rollout_stage_drives_serve_as_a_remote_engine_with_weight_updates()
         rows.sort_by_key(|r| r.sample_index);
         rows
     }
-    let mut l = RolloutStage::build(local, ctx.clone()).unwrap();
-    let mut r = RolloutStage::build(remote, ctx).unwrap();
+    let mut l = RolloutStage::build(local, &ctx).unwrap();
+    let mut r = RolloutStage::build(remote, &ctx).unwrap();
     let (a, b) = (
         generate(&mut l, prompt("g1")).await,
         generate(&mut r, prompt("g1")).await,

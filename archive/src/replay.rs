@@ -48,7 +48,7 @@ pub async fn replay(
             for (k, part) in split_by_key(&chunk, key).map_err(|reason| Error::Schema {
                 topic: topic.to_string(),
                 schema: schema.name().to_string(),
-                reason,
+                reason: reason.to_string(),
             })? {
                 let headers = Headers::data(schema, "replay")
                     .with_traceparent(streamrl_runtime::telemetry::new_traceparent())

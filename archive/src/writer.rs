@@ -10,8 +10,9 @@ use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
 use serde::Deserialize;
+use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, none_or_invalid};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
-use streamrl_schemas::SchemaId;
+use streamrl_schemas::{Problem, SchemaId};
 
 use crate::{Error, Result};
 
@@ -39,16 +40,22 @@ impl Default for ArchiveConfig {
 
 impl ArchiveConfig {
     /// Every problem with the values, at once.
-    pub fn problems(&self) -> Vec<String> {
+    pub fn problems(&self) -> Vec<Problem> {
         let mut v = Vec::new();
         if self.flush_rows == 0 {
-            v.push("flush_rows must be at least 1".into());
+            v.push(Problem::new("flush_rows", "must be at least 1"));
         }
         if !self.flush_seconds.is_finite() || self.flush_seconds <= 0.0 {
-            v.push(format!("flush_seconds must be positive, got {}", self.flush_seconds));
+            v.push(Problem::new(
+                "flush_seconds",
+                format!("must be positive, got {}", self.flush_seconds),
+            ));
         }
         if !(1..=22).contains(&self.zstd_level) {
-            v.push(format!("zstd_level must be 1..=22, got {}", self.zstd_level));
+            v.push(Problem::new(
+                "zstd_level",
+                format!("must be 1..=22, got {}", self.zstd_level),
+            ));
         }
         v
     }
@@ -301,17 +308,32 @@ pub struct ArchiveStage {
     skipped: u64,
 }
 
+/// Builds the stage for the context's `run_dir`; on a durable bus, files record the bus's
+/// offsets ([`ArchiveStage::with_offsets_of`]).
+impl BuildStage for ArchiveStage {
+    type Config = ArchiveConfig;
+
+    fn check(cfg: &ArchiveConfig) -> Vec<Problem> {
+        cfg.problems()
+    }
+
+    fn build(cfg: ArchiveConfig, ctx: &BuildContext) -> std::result::Result<Self, BuildError> {
+        none_or_invalid(cfg.problems())?;
+        let stage = ArchiveStage::new(cfg, &ctx.run_dir, &ctx.instance());
+        Ok(match (&ctx.bus, ctx.durable_bus) {
+            (Some(bus), true) => stage.with_offsets_of(bus.0.url()),
+            _ => stage,
+        })
+    }
+}
+
 impl ArchiveStage {
-    /// Builds the stage for `run_dir`.
-    pub fn build(cfg: ArchiveConfig, run_dir: &Path, instance: &str) -> std::result::Result<Self, Vec<String>> {
-        let p = cfg.problems();
-        if !p.is_empty() {
-            return Err(p);
-        }
-        Ok(ArchiveStage {
+    /// The stage for `run_dir`, as replica `instance` (a checked config).
+    pub fn new(cfg: ArchiveConfig, run_dir: &Path, instance: &str) -> Self {
+        ArchiveStage {
             writer: ArchiveWriter::new(run_dir, instance, cfg),
             skipped: 0,
-        })
+        }
     }
 
     /// Files record the offsets of `bus_url` (a durable bus), and records already in a

@@ -19,7 +19,7 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use crate::rubric::Rubric;
-use crate::{Environment, Problem, Prompt, Split};
+use crate::{Environment, Invalid, Problem, Prompt, Split};
 
 /// A difficulty level.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -182,30 +182,42 @@ pub fn evaluate(expr: &str) -> Option<i128> {
 
 impl Arith {
     /// Builds the environment; every invalid value is reported.
-    pub fn new(cfg: ArithConfig) -> Result<Self, Vec<String>> {
+    pub fn new(cfg: ArithConfig) -> Result<Self, Vec<Invalid>> {
         let mut errs = Vec::new();
         if cfg.levels.is_empty() {
-            errs.push("levels must not be empty".into());
+            errs.push(Invalid::new("levels", "must not be empty"));
         }
         for (i, l) in cfg.levels.iter().enumerate() {
             if !(1..=9).contains(&l.digits) {
-                errs.push(format!("levels[{i}].digits {} must be 1..=9", l.digits));
+                errs.push(Invalid::new(
+                    format!("levels[{i}].digits"),
+                    format!("{} must be 1..=9", l.digits),
+                ));
             }
             if !(2..=6).contains(&l.operands) {
-                errs.push(format!("levels[{i}].operands {} must be 2..=6", l.operands));
+                errs.push(Invalid::new(
+                    format!("levels[{i}].operands"),
+                    format!("{} must be 2..=6", l.operands),
+                ));
             }
             if l.operators.is_empty() || !l.operators.chars().all(|c| "+-*".contains(c)) {
-                errs.push(format!(
-                    "levels[{i}].operators {:?} must be a non-empty subset of \"+-*\"",
-                    l.operators
+                errs.push(Invalid::new(
+                    format!("levels[{i}].operators"),
+                    format!("{:?} must be a non-empty subset of \"+-*\"", l.operators),
                 ));
             }
         }
         if cfg.eval_every < 2 {
-            errs.push(format!("eval_every {} must be at least 2", cfg.eval_every));
+            errs.push(Invalid::new(
+                "eval_every",
+                format!("{} must be at least 2", cfg.eval_every),
+            ));
         }
         if !(0.0..=10.0).contains(&cfg.partial_credit) {
-            errs.push(format!("partial_credit {} must be in [0, 10]", cfg.partial_credit));
+            errs.push(Invalid::new(
+                "partial_credit",
+                format!("{} must be in [0, 10]", cfg.partial_credit),
+            ));
         }
         if !errs.is_empty() {
             return Err(errs);
@@ -491,13 +503,14 @@ mod tests {
             partial_credit: -1.0,
             style: Style::Bare,
         };
-        let errs = Arith::new(cfg).unwrap_err().join("\n");
+        let errs: Vec<String> = Arith::new(cfg).unwrap_err().iter().map(ToString::to_string).collect();
+        let errs = errs.join("\n");
         for want in [
-            "digits 0",
-            "operands 9",
-            "operators \"/\"",
-            "eval_every 1",
-            "partial_credit -1",
+            "digits: 0",
+            "operands: 9",
+            "operators: \"/\"",
+            "eval_every: 1",
+            "partial_credit: -1",
         ] {
             assert!(errs.contains(want), "missing {want}: {errs}");
         }

@@ -10,7 +10,7 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::rubric::Rubric;
-use crate::{Environment, Execution, Problem, Prompt, Split};
+use crate::{Environment, Execution, Invalid, Problem, Prompt, Split};
 
 /// Configuration of the code environment.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -93,16 +93,16 @@ report(passed, failures=failures[:5])
 
 impl Code {
     /// Loads the dataset; every problem with the config or the file is reported.
-    pub fn new(cfg: CodeConfig) -> Result<Self, Vec<String>> {
+    pub fn new(cfg: CodeConfig) -> Result<Self, Vec<Invalid>> {
         let (rows, mut errs) =
             match crate::dataset::load_as::<Row>(cfg.dataset.as_deref(), include_str!("../fixtures/code.jsonl")) {
                 Ok(rows) => (rows, Vec::new()),
-                Err(e) => (Vec::new(), e),
+                Err(e) => (Vec::new(), e.into_iter().map(|e| Invalid::new("dataset", e)).collect()),
             };
         let mut all = Vec::new();
         for (n, r) in rows {
             if r.tests.is_empty() {
-                errs.push(format!("dataset line {n}: `tests` is empty"));
+                errs.push(Invalid::new("dataset", format!("line {n}: `tests` is empty")));
                 continue;
             }
             all.push(Problem {
@@ -114,13 +114,26 @@ impl Code {
             });
         }
         if cfg.eval_every < 2 {
-            errs.push(format!("eval_every {} must be at least 2", cfg.eval_every));
+            errs.push(Invalid::new(
+                "eval_every",
+                format!("{} must be at least 2", cfg.eval_every),
+            ));
         }
         if cfg.test_timeout_secs == 0 || cfg.wall_ms == 0 {
-            errs.push("test_timeout_secs and wall_ms must be positive".into());
+            errs.push(Invalid::new(
+                if cfg.test_timeout_secs == 0 {
+                    "test_timeout_secs"
+                } else {
+                    "wall_ms"
+                },
+                "must be positive",
+            ));
         }
         if errs.is_empty() && all.len() < 2 {
-            errs.push(format!("dataset has {} problems; need at least 2", all.len()));
+            errs.push(Invalid::new(
+                "dataset",
+                format!("has {} problems; need at least 2", all.len()),
+            ));
         }
         if !errs.is_empty() {
             return Err(errs);
@@ -320,7 +333,8 @@ mod tests {
         })
         .unwrap_err();
         assert!(
-            errs.iter().any(|e| e.contains("`tests` is empty")) && errs.iter().any(|e| e.contains("eval_every 1")),
+            errs.iter().any(|e| e.to_string().contains("`tests` is empty"))
+                && errs.iter().any(|e| e.to_string().contains("eval_every: 1")),
             "{errs:?}"
         );
         let _ = std::fs::remove_dir_all(dir);

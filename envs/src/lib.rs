@@ -26,6 +26,9 @@ pub mod rubric;
 pub mod tool;
 
 use serde::{Deserialize, Serialize};
+/// A problem with an environment's configuration, with its key path (the workspace's
+/// config problem, named `Invalid` here because a [`Problem`] is a task's problem).
+pub use streamrl_schemas::Problem as Invalid;
 
 pub use rubric::{ExecInfo, Rubric};
 pub use tool::ToolProtocol;
@@ -149,12 +152,13 @@ impl Execution {
     }
 }
 
-fn config<T: serde::de::DeserializeOwned + Default>(v: &serde_json::Value) -> Result<T, Vec<String>> {
+/// An environment's config from its JSON block (`null`: defaults); a value that does not
+/// fit is a problem at the key path where it was found.
+fn config<T: serde::de::DeserializeOwned + Default>(v: &serde_json::Value) -> Result<T, Vec<Invalid>> {
     if v.is_null() {
-        Ok(T::default())
-    } else {
-        serde_json::from_value(v.clone()).map_err(|e| vec![e.to_string()])
+        return Ok(T::default());
     }
+    serde_path_to_error::deserialize::<_, T>(v.clone()).map_err(|e| vec![streamrl_schemas::problem::from_serde(e)])
 }
 
 /// FNV-1a (64-bit) of a string: stable problem ids and held-out splits.
@@ -166,21 +170,21 @@ pub(crate) fn fnv1a(s: &str) -> u64 {
 }
 
 /// Builds an environment by name from its configuration (`null`: defaults).
-pub fn build(name: &str, cfg: &serde_json::Value) -> Result<Box<dyn Environment>, Vec<String>> {
+pub fn build(name: &str, cfg: &serde_json::Value) -> Result<Box<dyn Environment>, Vec<Invalid>> {
     match name {
         "arith" => Ok(Box::new(arith::Arith::new(config(cfg)?)?)),
         "countdown" => {
             if !cfg.is_null() && cfg.as_object().is_none_or(|m| !m.is_empty()) {
-                return Err(vec!["countdown takes no configuration".into()]);
+                return Err(vec![Invalid::whole("countdown takes no configuration")]);
             }
             Ok(Box::new(countdown::Countdown::new()))
         }
         "math" => Ok(Box::new(math::Math::new(config(cfg)?)?)),
         "code" => Ok(Box::new(code::Code::new(config(cfg)?)?)),
         "tool" => Ok(Box::new(tool::Tool::new(config(cfg)?)?)),
-        other => Err(vec![format!(
+        other => Err(vec![Invalid::whole(format!(
             "unknown environment `{other}` (built in: arith, countdown, math, code, tool)"
-        )]),
+        ))]),
     }
 }
 
@@ -192,14 +196,14 @@ pub struct Mix {
 
 impl Mix {
     /// A mix; weights must be positive.
-    pub fn new(envs: Vec<(Box<dyn Environment>, f64)>) -> Result<Self, Vec<String>> {
-        let errs: Vec<String> = envs
+    pub fn new(envs: Vec<(Box<dyn Environment>, f64)>) -> Result<Self, Vec<Invalid>> {
+        let errs: Vec<Invalid> = envs
             .iter()
             .filter(|(_, w)| !w.is_finite() || *w <= 0.0)
-            .map(|(e, w)| format!("environment `{}` has weight {w}; weights must be positive", e.name()))
+            .map(|(e, w)| Invalid::new(format!("{}.weight", e.name()), format!("{w}: weights must be positive")))
             .collect();
         if envs.is_empty() {
-            return Err(vec!["a mix needs at least one environment".into()]);
+            return Err(vec![Invalid::whole("a mix needs at least one environment")]);
         }
         if errs.is_empty() { Ok(Mix { envs }) } else { Err(errs) }
     }
@@ -250,9 +254,13 @@ mod tests {
 
     #[test]
     fn registry_and_mix() {
-        assert!(build("cobol", &serde_json::Value::Null).unwrap_err()[0].contains("unknown environment `cobol`"));
+        assert!(
+            build("cobol", &serde_json::Value::Null).unwrap_err()[0]
+                .message
+                .contains("unknown environment `cobol`")
+        );
         let e = build("arith", &serde_json::json!({"eval_every": 1, "bogus": 2})).unwrap_err();
-        assert!(e[0].contains("bogus"), "{e:?}");
+        assert!(e[0].to_string().contains("bogus"), "{e:?}");
         let mix = Mix::new(vec![
             (build("arith", &serde_json::Value::Null).unwrap(), 3.0),
             (build("countdown", &serde_json::Value::Null).unwrap(), 1.0),

@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::rubric::Rubric;
-use crate::{Environment, Problem, Prompt, Split};
+use crate::{Environment, Invalid, Problem, Prompt, Split};
 
 /// Configuration of the math environment.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -56,11 +56,11 @@ pub struct Math {
 
 impl Math {
     /// Loads the dataset; every problem with the config or the file is reported.
-    pub fn new(cfg: MathConfig) -> Result<Self, Vec<String>> {
+    pub fn new(cfg: MathConfig) -> Result<Self, Vec<Invalid>> {
         let (rows, mut errs) =
             match crate::dataset::load_as::<Row>(cfg.dataset.as_deref(), include_str!("../fixtures/math.jsonl")) {
                 Ok(rows) => (rows, Vec::new()),
-                Err(e) => (Vec::new(), e),
+                Err(e) => (Vec::new(), e.into_iter().map(|e| Invalid::new("dataset", e)).collect()),
             };
         let all: Vec<Problem> = rows
             .into_iter()
@@ -73,10 +73,16 @@ impl Math {
             })
             .collect();
         if cfg.eval_every < 2 {
-            errs.push(format!("eval_every {} must be at least 2", cfg.eval_every));
+            errs.push(Invalid::new(
+                "eval_every",
+                format!("{} must be at least 2", cfg.eval_every),
+            ));
         }
         if errs.is_empty() && all.len() < 2 {
-            errs.push(format!("dataset has {} problems; need at least 2", all.len()));
+            errs.push(Invalid::new(
+                "dataset",
+                format!("has {} problems; need at least 2", all.len()),
+            ));
         }
         if !errs.is_empty() {
             return Err(errs);
@@ -209,6 +215,9 @@ mod tests {
             ..Default::default()
         })
         .unwrap_err()
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
         .join("\n");
         assert!(errs.contains("line 2") && errs.contains("line 3"), "{errs}");
         let _ = std::fs::remove_dir_all(dir);

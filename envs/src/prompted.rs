@@ -11,7 +11,7 @@
 //! assert_eq!(p.messages[0].role, "system");
 //! ```
 
-use crate::{Environment, Execution, Message, Problem, Prompt, Rubric, Split, ToolProtocol};
+use crate::{Environment, Execution, Invalid, Message, Problem, Prompt, Rubric, Split, ToolProtocol};
 
 /// An environment with a system prompt and few-shot examples added to its prompts.
 #[derive(Debug)]
@@ -23,17 +23,20 @@ pub struct Prompted {
 
 impl Prompted {
     /// Wraps `inner`; fails when it has no reference completions for the examples.
-    pub fn new(inner: Box<dyn Environment>, few_shot: usize, system: Option<String>) -> Result<Self, Vec<String>> {
+    pub fn new(inner: Box<dyn Environment>, few_shot: usize, system: Option<String>) -> Result<Self, Vec<Invalid>> {
         let mut shots = Vec::with_capacity(few_shot);
         for i in 0..few_shot as u64 {
             let p = inner.sample(Split::Train, u64::MAX - i);
             match inner.reference_completion(&p) {
                 Some(c) => shots.push((inner.prompt(&p), c)),
                 None => {
-                    return Err(vec![format!(
-                        "few_shot: environment `{}` has no reference completion for problem {}",
-                        inner.name(),
-                        p.id
+                    return Err(vec![Invalid::new(
+                        "few_shot",
+                        format!(
+                            "environment `{}` has no reference completion for problem {}",
+                            inner.name(),
+                            p.id
+                        ),
                     )]);
                 }
             }

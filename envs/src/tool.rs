@@ -13,7 +13,7 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use crate::rubric::Rubric;
-use crate::{Environment, Execution, Problem, Prompt, Split};
+use crate::{Environment, Execution, Invalid, Problem, Prompt, Split};
 
 /// How tool calls are written, recognised and answered.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -113,19 +113,22 @@ pub struct Tool {
 
 impl Tool {
     /// Validates the configuration (every problem reported).
-    pub fn new(cfg: ToolConfig) -> Result<Self, Vec<String>> {
+    pub fn new(cfg: ToolConfig) -> Result<Self, Vec<Invalid>> {
         let mut errs = vec![];
         if !(1..=9).contains(&cfg.digits) {
-            errs.push(format!("digits {} must be in 1..=9", cfg.digits));
+            errs.push(Invalid::new("digits", format!("{} must be in 1..=9", cfg.digits)));
         }
         if cfg.max_turns < 2 {
-            errs.push(format!(
-                "max_turns {} must be at least 2 (a call and an answer)",
-                cfg.max_turns
+            errs.push(Invalid::new(
+                "max_turns",
+                format!("{} must be at least 2 (a call and an answer)", cfg.max_turns),
             ));
         }
         if cfg.eval_every < 2 {
-            errs.push(format!("eval_every {} must be at least 2", cfg.eval_every));
+            errs.push(Invalid::new(
+                "eval_every",
+                format!("{} must be at least 2", cfg.eval_every),
+            ));
         }
         if !errs.is_empty() {
             return Err(errs);

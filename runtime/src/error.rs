@@ -83,6 +83,23 @@ pub enum Error {
         /// The stage's error.
         source: StageError,
     },
+    /// A batch for a keyed topic lacks the key column.
+    #[error("the batch has no key column `{key}`")]
+    MissingKeyColumn {
+        /// The topic's key column.
+        key: String,
+    },
+    /// A key column of a type keys cannot have.
+    #[error("key column `{key}` has type {data_type}; keys must be Utf8, UInt32 or UInt64")]
+    KeyType {
+        /// The topic's key column.
+        key: String,
+        /// Its type in the batch.
+        data_type: String,
+    },
+    /// An Arrow kernel failed (splitting a batch by key).
+    #[error("arrow: {0}")]
+    Arrow(#[from] arrow::error::ArrowError),
     /// Telemetry could not be set up.
     #[error("telemetry: {0}")]
     Telemetry(String),

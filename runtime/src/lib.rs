@@ -26,6 +26,7 @@
 //! # }
 //! ```
 
+pub mod build;
 pub mod bus;
 mod error;
 pub mod instruments;

@@ -915,13 +915,13 @@ pub type Keyed = (Option<Vec<u8>>, RecordBatch);
 
 /// Splits a batch into one batch per distinct value of `key` (in first-seen order), so
 /// rows of one key land in one partition. Without a key the batch goes whole, unkeyed.
-pub fn split_by_key(batch: &RecordBatch, key: Option<&str>) -> std::result::Result<Vec<Keyed>, String> {
+pub fn split_by_key(batch: &RecordBatch, key: Option<&str>) -> Result<Vec<Keyed>> {
     let Some(key) = key else {
         return Ok(vec![(None, batch.clone())]);
     };
     let col = batch
         .column_by_name(key)
-        .ok_or_else(|| format!("the batch has no key column `{key}`"))?;
+        .ok_or_else(|| crate::Error::MissingKeyColumn { key: key.to_string() })?;
     let values: Vec<Vec<u8>> = match col.data_type() {
         DataType::Utf8 => col
             .as_string::<i32>()
@@ -941,9 +941,10 @@ pub fn split_by_key(batch: &RecordBatch, key: Option<&str>) -> std::result::Resu
             .map(|v| v.to_string().into_bytes())
             .collect(),
         other => {
-            return Err(format!(
-                "key column `{key}` has type {other}; keys must be Utf8, UInt32 or UInt64"
-            ));
+            return Err(crate::Error::KeyType {
+                key: key.to_string(),
+                data_type: other.to_string(),
+            });
         }
     };
     let mut order: Vec<Vec<u8>> = Vec::new();
@@ -962,9 +963,7 @@ pub fn split_by_key(batch: &RecordBatch, key: Option<&str>) -> std::result::Resu
         .into_iter()
         .map(|k| {
             let idx = UInt32Array::from(rows.remove(&k).unwrap_or_default());
-            take_record_batch(batch, &idx)
-                .map(|b| (Some(k), b))
-                .map_err(|e| e.to_string())
+            Ok((Some(k), take_record_batch(batch, &idx)?))
         })
         .collect()
 }
@@ -1011,7 +1010,10 @@ mod tests {
             ]
         );
         let e = split_by_key(&b, Some("rollout_id")).unwrap_err();
-        assert!(e.contains("rollout_id"), "{e}");
+        assert!(
+            matches!(&e, crate::Error::MissingKeyColumn { key } if key == "rollout_id"),
+            "{e}"
+        );
         assert_eq!(split_by_key(&b, None).unwrap().len(), 1);
     }
 }

@@ -33,21 +33,7 @@ use crate::bus::TopicSpec;
 use crate::runner::{RunnerConfig, TopicBinding};
 
 /// One problem in a topology, with the key path it is about.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TopologyError {
-    /// Dotted key path, e.g. `stages.reward.inputs[0]`.
-    pub path: String,
-    /// What is wrong, naming the values involved.
-    pub message: String,
-}
-
-impl fmt::Display for TopologyError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.path, self.message)
-    }
-}
-
-impl std::error::Error for TopologyError {}
+pub use streamrl_schemas::Problem;
 
 /// The kinds of stage streamrl has. Adding a kind means adding a variant here and an arm
 /// in the binary's exhaustive `match` that builds it.
@@ -289,8 +275,9 @@ pub struct Topology {
     pub sft: Value,
 }
 
-/// Validates a stage kind's `config` block; returns one message per problem.
-pub type ConfigCheck<'a> = &'a dyn Fn(StageKind, &Value) -> Vec<String>;
+/// Validates a stage kind's `config` block; returns every problem, with key paths
+/// relative to the block.
+pub type ConfigCheck<'a> = &'a dyn Fn(StageKind, &Value) -> Vec<Problem>;
 
 const TOP_KEYS: [&str; 8] = [
     "bus",
@@ -304,9 +291,9 @@ const TOP_KEYS: [&str; 8] = [
 ];
 
 /// Parses YAML text into a document (not yet validated).
-fn document(yaml: &str) -> Result<Value, Vec<TopologyError>> {
+fn document(yaml: &str) -> Result<Value, Vec<Problem>> {
     serde_yaml::from_str(yaml).map_err(|e| {
-        vec![TopologyError {
+        vec![Problem {
             path: "(document)".into(),
             message: format!("not valid YAML: {e}"),
         }]
@@ -316,9 +303,9 @@ fn document(yaml: &str) -> Result<Value, Vec<TopologyError>> {
 /// Reads a topology file and applies `overrides` to it ([`apply_overrides`]): the
 /// document every command sees, before validation. `streamrl sft` reads its `sft:`
 /// section from it too.
-pub fn read_document(path: &std::path::Path, overrides: &[String]) -> Result<Value, Vec<TopologyError>> {
+pub fn read_document(path: &std::path::Path, overrides: &[String]) -> Result<Value, Vec<Problem>> {
     let text = std::fs::read_to_string(path).map_err(|e| {
-        vec![TopologyError {
+        vec![Problem {
             path: path.display().to_string(),
             message: format!("cannot read: {e}"),
         }]
@@ -341,10 +328,10 @@ pub fn read_document(path: &std::path::Path, overrides: &[String]) -> Result<Val
 /// streamrl_runtime::topology::apply_overrides(&mut doc, &["stages.trainer.config.max_steps=20".into()]).unwrap();
 /// assert_eq!(doc["stages"]["trainer"]["config"]["max_steps"].as_u64(), Some(20));
 /// ```
-pub fn apply_overrides(root: &mut Value, overrides: &[String]) -> Result<(), Vec<TopologyError>> {
+pub fn apply_overrides(root: &mut Value, overrides: &[String]) -> Result<(), Vec<Problem>> {
     let mut errs = Vec::new();
     for o in overrides.iter().map(|o| o.trim()).filter(|o| !o.is_empty()) {
-        let fail = |message: String| TopologyError {
+        let fail = |message: String| Problem {
             path: format!("--set {o}"),
             message,
         };
@@ -395,18 +382,17 @@ fn set_path(at: &mut Value, keys: &[&str], depth: usize, value: Value) -> Result
 
 impl Topology {
     /// Parses and validates YAML, collecting every problem.
-    pub fn parse(yaml: &str, check_config: ConfigCheck<'_>) -> Result<Topology, Vec<TopologyError>> {
+    pub fn parse(yaml: &str, check_config: ConfigCheck<'_>) -> Result<Topology, Vec<Problem>> {
         Self::from_document(document(yaml)?, check_config)
     }
 
     /// Validates a parsed document (e.g. [`read_document`]'s, overrides applied),
     /// collecting every problem.
-    pub fn from_document(root: Value, check_config: ConfigCheck<'_>) -> Result<Topology, Vec<TopologyError>> {
+    pub fn from_document(root: Value, check_config: ConfigCheck<'_>) -> Result<Topology, Vec<Problem>> {
         let mut errs = Vec::new();
-        let err =
-            |errs: &mut Vec<TopologyError>, path: String, message: String| errs.push(TopologyError { path, message });
+        let err = |errs: &mut Vec<Problem>, path: String, message: String| errs.push(Problem { path, message });
         let Some(root) = root.as_mapping() else {
-            return Err(vec![TopologyError {
+            return Err(vec![Problem {
                 path: "(document)".into(),
                 message: "expected a mapping at the top level".into(),
             }]);
@@ -528,43 +514,40 @@ impl Topology {
                     Vec::new()
                 }
             };
-            let check_ports = |errs: &mut Vec<TopologyError>,
-                               field: &str,
-                               list: &[String],
-                               allowed: Option<&[SchemaId]>,
-                               verb: &str| {
-                for (i, t) in list.iter().enumerate() {
-                    let p = format!("{path}.{field}[{i}]");
-                    match topics.get(t) {
-                        None => errs.push(TopologyError {
-                            path: p,
-                            message: format!("topic `{t}` is not declared under topics"),
-                        }),
-                        Some(decl) => {
-                            if let Some(allowed) = allowed
-                                && !allowed.contains(&decl.schema)
-                            {
-                                errs.push(TopologyError {
-                                    path: p,
-                                    message: format!(
-                                        "topic `{t}` carries schema `{}`, but a `{kind}` stage {verb} {}",
-                                        decl.schema,
-                                        if allowed.is_empty() {
-                                            "nothing here".to_string()
-                                        } else {
-                                            allowed
-                                                .iter()
-                                                .map(|s| format!("`{s}`"))
-                                                .collect::<Vec<_>>()
-                                                .join(" or ")
-                                        }
-                                    ),
-                                })
+            let check_ports =
+                |errs: &mut Vec<Problem>, field: &str, list: &[String], allowed: Option<&[SchemaId]>, verb: &str| {
+                    for (i, t) in list.iter().enumerate() {
+                        let p = format!("{path}.{field}[{i}]");
+                        match topics.get(t) {
+                            None => errs.push(Problem {
+                                path: p,
+                                message: format!("topic `{t}` is not declared under topics"),
+                            }),
+                            Some(decl) => {
+                                if let Some(allowed) = allowed
+                                    && !allowed.contains(&decl.schema)
+                                {
+                                    errs.push(Problem {
+                                        path: p,
+                                        message: format!(
+                                            "topic `{t}` carries schema `{}`, but a `{kind}` stage {verb} {}",
+                                            decl.schema,
+                                            if allowed.is_empty() {
+                                                "nothing here".to_string()
+                                            } else {
+                                                allowed
+                                                    .iter()
+                                                    .map(|s| format!("`{s}`"))
+                                                    .collect::<Vec<_>>()
+                                                    .join(" or ")
+                                            }
+                                        ),
+                                    })
+                                }
                             }
                         }
                     }
-                }
-            };
+                };
             check_ports(&mut errs, "inputs", &inputs, ports.inputs, "consumes");
             check_ports(
                 &mut errs,
@@ -606,9 +589,10 @@ impl Topology {
                     );
                 }
             }
-            for m in check_config(kind, &raw.config) {
-                err(&mut errs, format!("{path}.config"), m);
-            }
+            errs.extend(streamrl_schemas::problem::under(
+                &format!("{path}.config"),
+                check_config(kind, &raw.config),
+            ));
             stages.insert(
                 name,
                 StageDecl {
@@ -644,7 +628,7 @@ impl Topology {
     }
 
     /// Reads and validates a file.
-    pub fn load(path: &std::path::Path, check_config: ConfigCheck<'_>) -> Result<Topology, Vec<TopologyError>> {
+    pub fn load(path: &std::path::Path, check_config: ConfigCheck<'_>) -> Result<Topology, Vec<Problem>> {
         Self::load_with(path, &[], check_config)
     }
 
@@ -653,13 +637,13 @@ impl Topology {
         path: &std::path::Path,
         overrides: &[String],
         check_config: ConfigCheck<'_>,
-    ) -> Result<Topology, Vec<TopologyError>> {
+    ) -> Result<Topology, Vec<Problem>> {
         Self::from_document(read_document(path, overrides)?, check_config)
     }
 
     /// Legal but suspicious wiring: a topic a stage consumes that no stage emits to (fine
     /// when `streamrl replay` or an outside producer feeds it).
-    pub fn warnings(&self) -> Vec<TopologyError> {
+    pub fn warnings(&self) -> Vec<Problem> {
         let produced: BTreeSet<&String> = self.stages.values().flat_map(|s| &s.outputs).collect();
         let mut out = Vec::new();
         for (name, s) in &self.stages {
@@ -668,7 +652,7 @@ impl Topology {
             }
             for (i, t) in s.inputs.iter().enumerate() {
                 if self.topics.contains_key(t) && !produced.contains(t) {
-                    out.push(TopologyError {
+                    out.push(Problem {
                         path: format!("stages.{name}.inputs[{i}]"),
                         message: format!(
                             "no stage emits to topic `{t}`: only replay or an outside producer can feed it"
@@ -684,7 +668,7 @@ impl Topology {
     /// no cycle; broadcast reads (policy) are control, not data, and what a source reads
     /// (scored rows for its difficulty pools) is feedback by definition: the loop starts
     /// there.
-    fn check_cycles(&self) -> Vec<TopologyError> {
+    fn check_cycles(&self) -> Vec<Problem> {
         let mut edges: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
         for (p, ps) in &self.stages {
             for t in &ps.outputs {
@@ -706,7 +690,7 @@ impl Topology {
             edges: &BTreeMap<&'a str, BTreeSet<&'a str>>,
             state: &mut BTreeMap<&'a str, u8>,
             stack: &mut Vec<&'a str>,
-            out: &mut Vec<TopologyError>,
+            out: &mut Vec<Problem>,
         ) {
             state.insert(n, 1);
             stack.push(n);
@@ -717,7 +701,7 @@ impl Topology {
                         let from = stack.iter().position(|&x| x == m).unwrap_or(0);
                         let mut cycle: Vec<&str> = stack[from..].to_vec();
                         cycle.push(m);
-                        out.push(TopologyError {
+                        out.push(Problem {
                             path: format!("stages.{m}"),
                             message: format!(
                                 "cycle {}: mark the topic that closes it as `feedback: true` if it is meant (like continuations)",
@@ -866,7 +850,7 @@ stages:
   archive: { kind: archive, inputs: all }
 "#;
 
-    fn none(_: StageKind, _: &Value) -> Vec<String> {
+    fn none(_: StageKind, _: &Value) -> Vec<Problem> {
         vec![]
     }
 
@@ -986,9 +970,9 @@ stages:
   rollout: { kind: rollout, inputs: [prompts], outputs: [rollouts, scoredd], replicas: 3 }
   reward:  { kind: reward, inputs: [rollouts], outputs: [], config: { weigth: 1 } }
 "#;
-        let check = |k: StageKind, v: &Value| -> Vec<String> {
+        let check = |k: StageKind, v: &Value| -> Vec<Problem> {
             if k == StageKind::Reward && !v.is_null() {
-                vec!["unknown field `weigth`".into()]
+                vec![Problem::whole("unknown field `weigth`")]
             } else {
                 vec![]
             }

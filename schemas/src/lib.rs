@@ -30,11 +30,13 @@ pub mod codec;
 mod error;
 pub mod fields;
 mod headers;
+pub mod problem;
 mod rows;
 mod schema;
 
 pub use error::{Error, Result};
 pub use headers::{HeaderKey, Headers, MessageKind, Signal, WireHeaders};
+pub use problem::Problem;
 pub use rows::{
     ContinuationRow, DeadLetterRow, ExecutedRow, MetricRow, Outcome, PolicyRow, PromptRow, RewardComponent, RolloutRow,
     SampleRow, ScoredRow, ToolCall, ToolOutput, TopicRow, TrainedRow,

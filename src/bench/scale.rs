@@ -49,8 +49,8 @@ pub async fn run(bus_url: &str, rollouts: usize, replicas: &[u32], concurrency: 
         bail!("--replicas {r}: each round needs 1 to {PARTITIONS} replicas (the topics' partitions)");
     }
     let groups = rollouts.div_ceil(GROUP_SIZE as usize).max(1);
-    let (env, _) =
-        streamrl_stages::build_env("code", &serde_yaml::Value::Null).map_err(|e| anyhow::anyhow!(e.join("; ")))?;
+    let (env, _) = streamrl_stages::build_env("code", &serde_yaml::Value::Null)
+        .map_err(|e| anyhow::anyhow!(streamrl_schemas::problem::list(&e)))?;
     let work = workload(env.as_ref(), groups)?;
     let bus = bus::connect(bus_url).await?;
     println!(

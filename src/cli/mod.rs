@@ -15,7 +15,7 @@ use std::sync::{Arc, OnceLock};
 
 use anyhow::Result;
 use streamrl_runtime::runner::StageMetrics;
-use streamrl_runtime::topology::Topology;
+use streamrl_runtime::topology::{Problem, Topology};
 
 /// The `--set` overrides of this invocation, applied to every topology it reads.
 static OVERRIDES: OnceLock<Vec<String>> = OnceLock::new();
@@ -31,7 +31,7 @@ pub fn overrides() -> &'static [String] {
 }
 
 /// Every problem of the topology file at `path`, as one error.
-fn problems(path: &Path, errs: Vec<String>) -> anyhow::Error {
+fn problems(path: &Path, errs: Vec<Problem>) -> anyhow::Error {
     let mut msg = format!("{} has {} problem(s):", path.display(), errs.len());
     for e in &errs {
         msg.push_str(&format!("\n  {e}"));
@@ -61,8 +61,7 @@ impl Placement {
 }
 
 pub fn read_document(path: &Path) -> Result<serde_yaml::Value> {
-    streamrl_runtime::topology::read_document(path, overrides())
-        .map_err(|errs| problems(path, errs.iter().map(ToString::to_string).collect()))
+    streamrl_runtime::topology::read_document(path, overrides()).map_err(|errs| problems(path, errs))
 }
 
 /// The topology at `path`, validated in one pass: the runtime's checks (keys, topics,
@@ -72,7 +71,7 @@ pub fn load(path: &Path) -> Result<Topology> {
     let doc = read_document(path)?;
     let mut errs = Vec::new();
     let topology = Topology::from_document(doc.clone(), &crate::stages::check_config)
-        .map_err(|es| errs.extend(es.iter().map(ToString::to_string)))
+        .map_err(|es| errs.extend(es))
         .ok();
     // A malformed `envs:` is already reported by the runtime's pass.
     if doc.get("envs").is_none_or(|e| e.is_null() || e.is_mapping()) {

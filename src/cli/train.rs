@@ -13,6 +13,7 @@ use streamrl_envs::{Environment, Split};
 use streamrl_model::chat::ChatTemplate;
 use streamrl_model::optim::LrSchedule;
 use streamrl_model::{Tokenizer, checkpoint, config};
+use streamrl_schemas::Problem;
 use streamrl_stages::train::{Learner, LossConfig, TrainConfig, TrainSample};
 
 /// Where an environment's configuration comes from.
@@ -38,7 +39,7 @@ impl EnvArgs {
         }
         streamrl_stages::build_env(&self.env, &entry)
             .map(|(env, _)| env)
-            .map_err(|e| anyhow!("environment `{}`: {}", self.env, e.join("; ")))
+            .map_err(|e| anyhow!("environment `{}`: {}", self.env, streamrl_schemas::problem::list(&e)))
     }
 }
 
@@ -316,34 +317,40 @@ fn d_lr() -> f64 {
 /// Every problem of a topology's `sft:` section (`root` is the whole document; an
 /// environment configured under its `envs:` is left to that section's check), each with
 /// its key path.
-pub fn check_sft(root: &serde_yaml::Value) -> Vec<String> {
+pub fn check_sft(root: &serde_yaml::Value) -> Vec<Problem> {
     let Some(spec) = root.get("sft").filter(|s| !s.is_null()) else {
         return Vec::new();
     };
-    let s: SftSpec = match serde_yaml::from_value(spec.clone()) {
+    let s: SftSpec = match serde_path_to_error::deserialize(spec.clone()) {
         Ok(s) => s,
-        Err(e) => return vec![format!("sft: {e}")],
+        Err(e) => return vec![streamrl_schemas::problem::from_serde(e).under("sft")],
     };
     let mut errs = Vec::new();
     if s.steps == 0 {
-        errs.push("sft.steps: must be at least 1".to_string());
+        errs.push(Problem::new("sft.steps", "must be at least 1"));
     }
     if s.batch == 0 {
-        errs.push("sft.batch: must be at least 1".to_string());
+        errs.push(Problem::new("sft.batch", "must be at least 1"));
     }
     if !(s.lr.is_finite() && s.lr > 0.0) {
-        errs.push(format!("sft.lr: must be a positive number, got {}", s.lr));
+        errs.push(Problem::new(
+            "sft.lr",
+            format!("must be a positive number, got {}", s.lr),
+        ));
     }
     if s.checkpoint.is_none()
         && let Err(e) = config::preset(&s.preset, 1)
     {
-        errs.push(format!("sft.preset: {e}"));
+        errs.push(Problem::new("sft.preset", e.to_string()));
     }
     // An environment configured under `envs:` is checked there; a built-in one here.
     if root.get("envs").and_then(|e| e.get(&s.env)).is_none()
         && let Err(es) = streamrl_stages::build_env(&s.env, &serde_yaml::Value::Null)
     {
-        errs.extend(es.into_iter().map(|e| format!("sft.env: environment `{}`: {e}", s.env)));
+        errs.extend(
+            es.into_iter()
+                .map(|e| Problem::new("sft.env", format!("environment `{}`: {e}", s.env))),
+        );
     }
     errs
 }

@@ -15,10 +15,11 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
+use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, none_or_invalid};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
 use streamrl_schemas::{SampleRow, SchemaId, ScoredRow, TopicRow};
 
-use crate::{Ctx, now_ms, rows};
+use crate::{Invalid, now_ms, rows};
 
 /// How advantages are computed from a group's rewards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -60,10 +61,10 @@ impl Default for MaskConfig {
 
 impl MaskConfig {
     /// Every invalid value.
-    pub fn problems(&self) -> Vec<String> {
+    pub fn problems(&self) -> Vec<Invalid> {
         let mut p = Vec::new();
         if self.group_timeout_secs == 0 {
-            p.push("group_timeout_secs must be at least 1".into());
+            p.push(Invalid::new("group_timeout_secs", "must be at least 1"));
         }
         p
     }
@@ -95,7 +96,7 @@ pub struct MaskCounts {
 /// The mask stage.
 pub struct MaskStage {
     cfg: MaskConfig,
-    ctx: Ctx,
+    ctx: BuildContext,
     samples: String,
     pending: HashMap<String, Pending>,
     done: HashSet<String>,
@@ -125,20 +126,20 @@ pub fn advantages(rewards: &[f32], kind: Advantage) -> Vec<f32> {
         .collect()
 }
 
-impl MaskStage {
-    /// Builds the stage.
-    pub fn build(cfg: MaskConfig, ctx: Ctx) -> Result<Self, Vec<String>> {
+impl BuildStage for MaskStage {
+    type Config = MaskConfig;
+
+    fn check(cfg: &MaskConfig) -> Vec<Invalid> {
+        cfg.problems()
+    }
+
+    fn build(cfg: MaskConfig, ctx: &BuildContext) -> Result<Self, BuildError> {
         let mut errs = cfg.problems();
-        let samples = ctx.require_output(SchemaId::Samples);
-        if let Err(e) = &samples {
-            errs.extend(e.clone());
-        }
-        if !errs.is_empty() {
-            return Err(errs);
-        }
+        let samples = ctx.require_output(SchemaId::Samples).map_err(|e| errs.push(e));
+        none_or_invalid(errs)?;
         Ok(MaskStage {
             cfg,
-            ctx,
+            ctx: ctx.clone(),
             samples: samples.expect("checked"),
             pending: HashMap::new(),
             done: HashSet::new(),
@@ -146,7 +147,9 @@ impl MaskStage {
             counts: MaskCounts::default(),
         })
     }
+}
 
+impl MaskStage {
     /// What the stage counted so far.
     pub fn counts(&self) -> MaskCounts {
         self.counts

@@ -1,5 +1,5 @@
 //! A remote OpenAI-compatible server as the rollout stage's engine
-//! (`engine: openai://host:port`): `streamrl serve`, or vLLM / SGLang.
+//! (`engine: {openai: {url: http://host:port}}`): `streamrl serve`, or vLLM / SGLang.
 //!
 //! Each sample is one `POST /v1/completions` with the prompt as token ids, the sample's
 //! seed, `logprobs: 1` and vLLM's `return_tokens_as_token_ids`, so completion token ids and

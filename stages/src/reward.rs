@@ -8,10 +8,11 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use streamrl_envs::rubric::ScoreInput;
 use streamrl_envs::{ExecInfo, Mix, Problem};
+use streamrl_runtime::build::{BuildContext, BuildError, BuildStage};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
 use streamrl_schemas::{ExecutedRow, RewardComponent, SchemaId, ScoredRow, TopicRow, trajectory_into};
 
-use crate::{Ctx, now_ms, rows};
+use crate::{Invalid, now_ms, rows};
 
 /// Configuration of the reward stage.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -25,11 +26,16 @@ pub struct RewardStage {
     scored: String,
 }
 
-impl RewardStage {
-    /// Builds the stage.
-    pub fn build(_cfg: RewardConfig, ctx: Ctx) -> Result<Self, Vec<String>> {
+impl BuildStage for RewardStage {
+    type Config = RewardConfig;
+
+    fn check(_: &RewardConfig) -> Vec<Invalid> {
+        Vec::new()
+    }
+
+    fn build(_cfg: RewardConfig, ctx: &BuildContext) -> Result<Self, BuildError> {
         Ok(RewardStage {
-            envs: ctx.require_envs()?,
+            envs: crate::require_environments(ctx)?,
             scored: ctx.require_output(SchemaId::Scored)?,
         })
     }

@@ -21,13 +21,14 @@ use streamrl_model::Tokenizer;
 use streamrl_model::checkpoint;
 use streamrl_model::device::{DeviceSpec, Precision};
 use streamrl_model::engine::{Engine, EngineConfig, Event, Output, SamplingParams};
+use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, none_or_invalid};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
 use streamrl_schemas::{
     ContinuationRow, PolicyRow, PromptRow, RolloutRow, SchemaId, ToolCall, TopicRow, trajectory_into,
 };
 
 use crate::remote::RemoteEngine;
-use crate::{Ctx, compute, now_ms, rows, uri_path};
+use crate::{Invalid, compute, now_ms, rows, uri_path};
 
 /// Configuration of the rollout stage.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -54,20 +55,8 @@ pub struct RolloutConfig {
     pub ignore_eos: bool,
     /// Most new tokens of a turn after a tool call (continuations).
     pub turn_max_tokens: u32,
-    /// `local` (the in-process continuous-batching engine) or `openai://host:port`: a
-    /// remote OpenAI-compatible server (`streamrl serve`, vLLM, SGLang) that must support
-    /// token-id prompts and `return_tokens_as_token_ids`. `checkpoint` then only supplies
-    /// the tokenizer.
-    pub engine: String,
-    /// Model name sent to a remote engine (default: none, the server's only model).
-    pub served_model_name: Option<String>,
-    /// Push each new policy version to a remote engine (`POST /v1/load_weights`, which
-    /// `streamrl serve` implements); off for servers synced some other way.
-    pub sync_weights: bool,
-    /// Name of an environment variable that holds the remote engine's API key, sent as
-    /// `Authorization: Bearer <key>` (`streamrl serve --api-key`, vLLM `--api-key`).
-    /// Unset: no key. The key itself never goes in the topology file.
-    pub api_key_env: Option<String>,
+    /// Where samples are generated: `local` (default) or `{openai: {url, ...}}`.
+    pub engine: EngineChoice,
     /// Where the local engine runs: `cpu` (default: the fused CPU kernels), `cuda` or
     /// `cuda:N` (candle's forward on the GPU; a build with the `cuda` feature).
     pub device: DeviceSpec,
@@ -89,25 +78,111 @@ impl Default for RolloutConfig {
             slice_ms: 50,
             ignore_eos: false,
             turn_max_tokens: 256,
-            engine: "local".into(),
-            served_model_name: None,
-            sync_weights: true,
-            api_key_env: None,
+            engine: EngineChoice::Local,
             device: DeviceSpec::Cpu,
             dtype: Precision::F32,
         }
     }
 }
 
+/// Where the rollout stage generates.
+///
+/// ```
+/// use streamrl_stages::rollout::{EngineChoice, RolloutConfig};
+///
+/// let local: RolloutConfig = serde_yaml::from_str("engine: local").unwrap();
+/// assert_eq!(local.engine, EngineChoice::Local);
+/// let yaml = "engine: { openai: { url: http://127.0.0.1:8000, served_model_name: policy } }";
+/// let remote: RolloutConfig = serde_yaml::from_str(yaml).unwrap();
+/// let EngineChoice::Openai(o) = remote.engine else { panic!() };
+/// assert_eq!((o.url.as_str(), o.sync_weights), ("http://127.0.0.1:8000", true));
+/// let typo = serde_yaml::from_str::<RolloutConfig>("engine: { opnai: { url: x } }").unwrap_err();
+/// assert!(typo.to_string().contains("expected `local` or `{openai: {url: ...}}`"), "{typo}");
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineChoice {
+    /// The in-process continuous-batching engine.
+    #[default]
+    Local,
+    /// A remote OpenAI-compatible server (`streamrl serve`, vLLM, SGLang) that supports
+    /// token-id prompts and `return_tokens_as_token_ids`; the stage's `checkpoint` then
+    /// only supplies the tokenizer.
+    Openai(OpenAiEngine),
+}
+
+/// `local`, `{openai: {...}}` (a mapping with the one key, as in JSON), or the YAML tag
+/// form `!openai {...}`.
+impl<'de> Deserialize<'de> for EngineChoice {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error as _;
+        use serde_yaml::Value;
+        let expected = "expected `local` or `{openai: {url: ...}}`";
+        let v = Value::deserialize(d)?;
+        let (name, body) = match v {
+            Value::String(s) => (s, Value::Null),
+            Value::Mapping(m) if m.len() == 1 => {
+                let (k, body) = m.into_iter().next().expect("one entry");
+                (k.as_str().unwrap_or_default().to_string(), body)
+            }
+            Value::Tagged(t) => (t.tag.to_string().trim_start_matches('!').to_string(), t.value),
+            other => return Err(D::Error::custom(format!("{expected}, got {other:?}"))),
+        };
+        match (name.as_str(), body) {
+            ("local", Value::Null) => Ok(EngineChoice::Local),
+            ("openai", body) => serde_yaml::from_value(body)
+                .map(EngineChoice::Openai)
+                .map_err(|e| D::Error::custom(format!("openai: {e}"))),
+            (other, _) => Err(D::Error::custom(format!("{expected}, got `{other}`"))),
+        }
+    }
+}
+
+/// A remote OpenAI-compatible engine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpenAiEngine {
+    /// The server: `http://host:port` (or `openai://host:port`).
+    pub url: String,
+    /// Model name sent with each request (default: none, the server's only model).
+    #[serde(default)]
+    pub served_model_name: Option<String>,
+    /// Push each new policy version to the server (`POST /v1/load_weights`, which
+    /// `streamrl serve` implements); off for servers synced some other way.
+    #[serde(default = "yes")]
+    pub sync_weights: bool,
+    /// Name of an environment variable that holds the server's API key, sent as
+    /// `Authorization: Bearer <key>` (`streamrl serve --api-key`, vLLM `--api-key`).
+    /// Unset: no key. The key itself never goes in the topology file.
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl OpenAiEngine {
+    /// A server at `url` with the defaults (weights synced, no model name, no key).
+    pub fn at(url: impl Into<String>) -> Self {
+        OpenAiEngine {
+            url: url.into(),
+            served_model_name: None,
+            sync_weights: true,
+            api_key_env: None,
+        }
+    }
+}
+
 impl RolloutConfig {
     /// Every invalid value.
-    pub fn problems(&self) -> Vec<String> {
+    pub fn problems(&self) -> Vec<Invalid> {
         let mut p = Vec::new();
         if self.checkpoint.as_os_str().is_empty() {
-            p.push("checkpoint: required (the initial policy)".into());
+            p.push(Invalid::new("checkpoint", "required (the initial policy)"));
         }
         if self.max_inflight_groups == 0 {
-            p.push("max_inflight_groups must be at least 1".into());
+            p.push(Invalid::new("max_inflight_groups", "must be at least 1"));
         }
         p.extend(
             EngineConfig {
@@ -115,28 +190,33 @@ impl RolloutConfig {
                 max_kv_tokens: self.max_kv_tokens,
                 ..Default::default()
             }
-            .problems(),
+            .problems()
+            .into_iter()
+            .map(Invalid::whole),
         );
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            p.push(format!("top_p {} must be in (0, 1]", self.top_p));
+            p.push(Invalid::new("top_p", format!("{} must be in (0, 1]", self.top_p)));
         }
         if self.slice_ms == 0 {
-            p.push("slice_ms must be at least 1".into());
+            p.push(Invalid::new("slice_ms", "must be at least 1"));
         }
         if self.turn_max_tokens == 0 {
-            p.push("turn_max_tokens must be at least 1".into());
+            p.push(Invalid::new("turn_max_tokens", "must be at least 1"));
         }
-        if self.engine != "local"
-            && let Err(e) = crate::remote::base_url(&self.engine)
-        {
-            p.push(format!("{e} (or `local`)"));
-        }
-        if self.engine != "local" && (self.device != DeviceSpec::Cpu || self.dtype != Precision::F32) {
-            p.push(format!(
-                "device `{}` / dtype `{}` apply to the local engine only; the remote engine `{}` \
-                 chooses its own",
-                self.device, self.dtype, self.engine
-            ));
+        if let EngineChoice::Openai(o) = &self.engine {
+            if let Err(e) = crate::remote::base_url(&o.url) {
+                p.push(Invalid::new("engine.openai.url", e));
+            }
+            if self.device != DeviceSpec::Cpu || self.dtype != Precision::F32 {
+                p.push(Invalid::new(
+                    "device",
+                    format!(
+                        "device `{}` / dtype `{}` apply to the local engine only; the remote engine `{}` \
+                         chooses its own",
+                        self.device, self.dtype, o.url
+                    ),
+                ));
+            }
         }
         p
     }
@@ -170,7 +250,9 @@ enum Backend {
 /// The rollout stage.
 pub struct RolloutStage {
     cfg: RolloutConfig,
-    ctx: Ctx,
+    ctx: BuildContext,
+    /// The topology's environments (tool protocols), if it has any.
+    envs: Option<std::sync::Arc<streamrl_envs::Mix>>,
     backend: Backend,
     tokenizer: Tokenizer,
     out_topic: String,
@@ -199,62 +281,31 @@ fn seed_of(group_id: &str, index: u32) -> u64 {
     h.finish()
 }
 
-impl RolloutStage {
-    /// Builds the stage: loads the initial policy and its tokenizer.
-    pub fn build(cfg: RolloutConfig, ctx: Ctx) -> Result<Self, Vec<String>> {
+/// Builds the stage: loads the initial policy and its tokenizer.
+impl BuildStage for RolloutStage {
+    type Config = RolloutConfig;
+
+    fn check(cfg: &RolloutConfig) -> Vec<Invalid> {
+        cfg.problems()
+    }
+
+    fn build(cfg: RolloutConfig, ctx: &BuildContext) -> Result<Self, BuildError> {
         let mut errs = cfg.problems();
-        let out = ctx.require_output(SchemaId::Rollouts);
-        if let Err(e) = &out {
-            errs.extend(e.clone());
-        }
-        if !errs.is_empty() {
-            return Err(errs);
-        }
+        let out = ctx.require_output(SchemaId::Rollouts).map_err(|e| errs.push(e));
+        none_or_invalid(errs)?;
+        let envs = crate::environments(ctx)?;
         let mut cfg = cfg;
         cfg.checkpoint = crate::weights::initial(&cfg.checkpoint, &ctx.weights_cache(), crate::weights::INITIAL_WAIT)
-            .map_err(|e| vec![format!("checkpoint: {e}")])?;
-        let (backend, tokenizer) = if cfg.engine == "local" {
-            let device = cfg.device.open().map_err(|e| vec![e.to_string()])?;
-            let loaded = checkpoint::load_as(&cfg.checkpoint, &device, cfg.dtype.dtype())
-                .map_err(|e| vec![format!("checkpoint: {e}")])?;
-            let Some(tokenizer) = loaded.tokenizer else {
-                return Err(vec![format!(
-                    "checkpoint: {} has no tokenizer.json",
-                    cfg.checkpoint.display()
-                )]);
-            };
-            let engine = Engine::new(
-                loaded.model,
-                0,
-                Some(tokenizer.clone()),
-                EngineConfig {
-                    max_num_seqs: cfg.max_num_seqs,
-                    max_kv_tokens: cfg.max_kv_tokens,
-                    ..Default::default()
-                },
-            );
-            (Backend::Local(Box::new(engine)), tokenizer)
-        } else {
-            let tokenizer = Tokenizer::from_file(&cfg.checkpoint.join("tokenizer.json"))
-                .map_err(|e| vec![format!("checkpoint: {e}")])?;
-            let key = match &cfg.api_key_env {
-                None => None,
-                Some(var) => match std::env::var(var) {
-                    Ok(k) if !k.is_empty() => Some(k),
-                    _ => {
-                        return Err(vec![format!(
-                            "api_key_env: the environment variable `{var}` is not set (it should hold the remote engine's API key)"
-                        )]);
-                    }
-                },
-            };
-            let engine = RemoteEngine::new(&cfg.engine, cfg.served_model_name.clone(), key).map_err(|e| vec![e])?;
-            (Backend::Remote(engine), tokenizer)
+            .map_err(|e| Invalid::new("checkpoint", e.to_string()))?;
+        let (backend, tokenizer) = match &cfg.engine {
+            EngineChoice::Local => Self::local(&cfg)?,
+            EngineChoice::Openai(o) => Self::remote(&cfg, o)?,
         };
         Ok(RolloutStage {
             instruments: ctx.instruments(),
             cfg,
-            ctx,
+            ctx: ctx.clone(),
+            envs,
             backend,
             tokenizer,
             out_topic: out.expect("checked"),
@@ -264,6 +315,55 @@ impl RolloutStage {
             load_failures: 0,
             http: reqwest::Client::new(),
         })
+    }
+}
+
+impl RolloutStage {
+    /// The in-process engine on the initial policy, and its tokenizer.
+    fn local(cfg: &RolloutConfig) -> Result<(Backend, Tokenizer), BuildError> {
+        let device = cfg.device.open().map_err(|e| Invalid::new("device", e.to_string()))?;
+        let loaded = checkpoint::load_as(&cfg.checkpoint, &device, cfg.dtype.dtype())
+            .map_err(|e| Invalid::new("checkpoint", e.to_string()))?;
+        let Some(tokenizer) = loaded.tokenizer else {
+            return Err(BuildError::invalid(
+                "checkpoint",
+                format!("{} has no tokenizer.json", cfg.checkpoint.display()),
+            ));
+        };
+        let engine = Engine::new(
+            loaded.model,
+            0,
+            Some(tokenizer.clone()),
+            EngineConfig {
+                max_num_seqs: cfg.max_num_seqs,
+                max_kv_tokens: cfg.max_kv_tokens,
+                ..Default::default()
+            },
+        );
+        Ok((Backend::Local(Box::new(engine)), tokenizer))
+    }
+
+    /// A client of the remote engine `o`, and the tokenizer of the initial policy.
+    fn remote(cfg: &RolloutConfig, o: &OpenAiEngine) -> Result<(Backend, Tokenizer), BuildError> {
+        let tokenizer = Tokenizer::from_file(&cfg.checkpoint.join("tokenizer.json"))
+            .map_err(|e| Invalid::new("checkpoint", e.to_string()))?;
+        let key = match &o.api_key_env {
+            None => None,
+            Some(var) => match std::env::var(var) {
+                Ok(k) if !k.is_empty() => Some(k),
+                _ => {
+                    return Err(BuildError::invalid(
+                        "engine.openai.api_key_env",
+                        format!(
+                            "the environment variable `{var}` is not set (it should hold the remote engine's API key)"
+                        ),
+                    ));
+                }
+            },
+        };
+        let engine = RemoteEngine::new(&o.url, o.served_model_name.clone(), key)
+            .map_err(|e| Invalid::new("engine.openai.url", e))?;
+        Ok((Backend::Remote(engine), tokenizer))
     }
 
     /// The version now serving.
@@ -290,8 +390,7 @@ impl RolloutStage {
 
     /// The tool-call stop marker of an environment, if it offers tools.
     fn tool_stop(&self, env: &str) -> Vec<String> {
-        self.ctx
-            .envs
+        self.envs
             .as_ref()
             .and_then(|m| m.get(env))
             .and_then(|e| e.tools())
@@ -301,7 +400,7 @@ impl RolloutStage {
 
     /// The tool call a finished turn ends in, as the schema's ToolCall.
     fn tool_call(&self, env: &str, rollout_id: &str, turn: u32, text: &str) -> Vec<ToolCall> {
-        let Some(t) = self.ctx.envs.as_ref().and_then(|m| m.get(env)).and_then(|e| e.tools()) else {
+        let Some(t) = self.envs.as_ref().and_then(|m| m.get(env)).and_then(|e| e.tools()) else {
             return vec![];
         };
         crate::tool_call(t, rollout_id, turn, t.last_turn(text))
@@ -570,7 +669,7 @@ impl RolloutStage {
             return;
         }
         let t0 = Instant::now();
-        let sync = self.cfg.sync_weights;
+        let sync = matches!(&self.cfg.engine, EngineChoice::Openai(o) if o.sync_weights);
         // An http:// version is downloaded into this replica's cache first (a remote
         // engine is sent the URL and fetches it itself).
         let cache = self.ctx.weights_cache();

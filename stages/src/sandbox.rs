@@ -22,13 +22,14 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use streamrl_envs::{Environment, Execution, Mix, Problem};
+use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, none_or_invalid};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
 use streamrl_sandbox::{ExecRequest, ExecResult, ExecStatus, Pool};
 use streamrl_schemas::{
     ContinuationRow, ExecutedRow, RolloutRow, SchemaId, ToolCall, ToolOutput, TopicRow, trajectory_into,
 };
 
-use crate::{Ctx, now_ms, rows};
+use crate::{Invalid, now_ms, rows};
 
 /// Configuration of the sandbox stage.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -52,17 +53,17 @@ impl Default for SandboxConfig {
 
 impl SandboxConfig {
     /// Every invalid value.
-    pub fn problems(&self) -> Vec<String> {
-        let mut p: Vec<String> = self
+    pub fn problems(&self) -> Vec<Invalid> {
+        let mut p: Vec<Invalid> = self
             .pool
             .validate()
             .err()
             .unwrap_or_default()
             .into_iter()
-            .map(|e| format!("pool.{e}"))
+            .map(|e| Invalid::new("pool", e))
             .collect();
         if self.max_concurrency == 0 {
-            p.push("max_concurrency must be at least 1".into());
+            p.push(Invalid::new("max_concurrency", "must be at least 1"));
         }
         p
     }
@@ -79,19 +80,20 @@ pub struct SandboxStage {
     instruments: streamrl_runtime::instruments::Instruments,
 }
 
-impl SandboxStage {
-    /// Builds the stage; starts the sandbox pool when an environment needs it (a host
-    /// that cannot run sandboxes fails here with the reason).
-    pub fn build(cfg: SandboxConfig, ctx: Ctx) -> Result<Self, Vec<String>> {
+/// Builds the stage; starts the sandbox pool when an environment needs it (a host that
+/// cannot run sandboxes fails here with the reason).
+impl BuildStage for SandboxStage {
+    type Config = SandboxConfig;
+
+    fn check(cfg: &SandboxConfig) -> Vec<Invalid> {
+        cfg.problems()
+    }
+
+    fn build(cfg: SandboxConfig, ctx: &BuildContext) -> Result<Self, BuildError> {
         let mut errs = cfg.problems();
-        let envs = ctx.require_envs();
-        let executed = ctx.require_output(SchemaId::Executed);
-        for e in [envs.as_ref().err(), executed.as_ref().err()].into_iter().flatten() {
-            errs.extend(e.clone());
-        }
-        if !errs.is_empty() {
-            return Err(errs);
-        }
+        let envs = crate::require_environments(ctx).map_err(|e| errs.extend(e));
+        let executed = ctx.require_output(SchemaId::Executed).map_err(|e| errs.push(e));
+        none_or_invalid(errs)?;
         let envs = envs.expect("checked");
         let continuations = ctx.output(SchemaId::Continuations);
         let tools: Vec<&str> = envs
@@ -100,14 +102,14 @@ impl SandboxStage {
             .map(|(e, _)| e.name())
             .collect();
         if continuations.is_none() && !tools.is_empty() {
-            return Err(vec![format!(
+            return Err(BuildError::Invalid(vec![Invalid::whole(format!(
                 "environment(s) {} use tools: the sandbox stage needs a `continuations` output",
                 tools.join(", ")
-            )]);
+            ))]));
         }
         let pool = if envs.needs_sandbox() {
             Some(Arc::new(
-                Pool::new(cfg.pool.clone()).map_err(|e| vec![format!("sandbox pool: {e}")])?,
+                Pool::new(cfg.pool.clone()).map_err(|e| BuildError::setup("sandbox pool", e))?,
             ))
         } else {
             None

@@ -41,10 +41,11 @@ use serde::{Deserialize, Serialize};
 use streamrl_envs::{Environment, Mix, Problem, Split};
 use streamrl_model::Tokenizer;
 use streamrl_model::chat::ChatTemplate;
+use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, none_or_invalid};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
 use streamrl_schemas::{PolicyRow, PromptRow, SchemaId, ScoredRow, TopicRow};
 
-use crate::{Ctx, now_ms, rows};
+use crate::{Invalid, now_ms, rows};
 
 /// Configuration of the source stage.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -111,13 +112,17 @@ impl Default for DifficultyConfig {
 }
 
 impl DifficultyConfig {
-    fn problems(&self, p: &mut Vec<String>) {
+    fn problems(&self) -> Vec<Invalid> {
+        let mut p = Vec::new();
         if !(self.easy_threshold.is_finite() && self.hard_threshold.is_finite())
             || self.hard_threshold >= self.easy_threshold
         {
-            p.push(format!(
-                "difficulty: hard_threshold {} must be below easy_threshold {}",
-                self.hard_threshold, self.easy_threshold
+            p.push(Invalid::new(
+                "hard_threshold",
+                format!(
+                    "{} must be below easy_threshold {}",
+                    self.hard_threshold, self.easy_threshold
+                ),
             ));
         }
         for (name, f) in [
@@ -125,18 +130,22 @@ impl DifficultyConfig {
             ("hard_fraction", self.hard_fraction),
         ] {
             if !(0.0..=1.0).contains(&f) {
-                p.push(format!("difficulty: {name} {f} must be in [0, 1]"));
+                p.push(Invalid::new(name, format!("{f} must be in [0, 1]")));
             }
         }
         if self.easy_fraction + self.hard_fraction > 1.0 {
-            p.push(format!(
-                "difficulty: easy_fraction {} + hard_fraction {} exceeds 1",
-                self.easy_fraction, self.hard_fraction
+            p.push(Invalid::new(
+                "easy_fraction",
+                format!(
+                    "{} + hard_fraction {} exceeds 1",
+                    self.easy_fraction, self.hard_fraction
+                ),
             ));
         }
         if self.capacity == 0 {
-            p.push("difficulty: capacity must be at least 1".into());
+            p.push(Invalid::new("capacity", "must be at least 1"));
         }
+        p
     }
 }
 
@@ -162,42 +171,51 @@ impl Default for SourceConfig {
 
 impl SourceConfig {
     /// Every invalid value.
-    pub fn problems(&self) -> Vec<String> {
+    pub fn problems(&self) -> Vec<Invalid> {
         let mut p = Vec::new();
         if self.checkpoint.as_os_str().is_empty() {
-            p.push("checkpoint: required (the directory whose tokenizer.json tokenizes prompts)".into());
+            p.push(Invalid::new(
+                "checkpoint",
+                "required (the directory whose tokenizer.json tokenizes prompts)",
+            ));
         }
         if self.group_size < 2 {
-            p.push(format!(
-                "group_size {} must be at least 2 (advantages are relative to the group)",
-                self.group_size
+            p.push(Invalid::new(
+                "group_size",
+                format!(
+                    "{} must be at least 2 (advantages are relative to the group)",
+                    self.group_size
+                ),
             ));
         }
         if self.groups_per_step == 0 {
-            p.push("groups_per_step must be at least 1".into());
+            p.push(Invalid::new("groups_per_step", "must be at least 1"));
         }
         if !(self.temperature > 0.0 && self.temperature.is_finite()) {
-            p.push(format!("temperature {} must be positive", self.temperature));
+            p.push(Invalid::new(
+                "temperature",
+                format!("{} must be positive", self.temperature),
+            ));
         }
         if self.max_tokens == 0 {
-            p.push("max_tokens must be at least 1".into());
+            p.push(Invalid::new("max_tokens", "must be at least 1"));
         }
         if let Some(a) = self.length_tail_alpha
             && !(a > 0.0 && a.is_finite())
         {
-            p.push(format!("length_tail_alpha {a} must be positive"));
+            p.push(Invalid::new("length_tail_alpha", format!("{a} must be positive")));
         }
         if self.min_tokens == 0 || self.min_tokens > self.max_tokens {
-            p.push(format!(
-                "min_tokens {} must be in 1..=max_tokens ({})",
-                self.min_tokens, self.max_tokens
+            p.push(Invalid::new(
+                "min_tokens",
+                format!("{} must be in 1..=max_tokens ({})", self.min_tokens, self.max_tokens),
             ));
         }
         if self.epochs == Some(0) {
-            p.push("epochs must be at least 1 (or null for no limit)".into());
+            p.push(Invalid::new("epochs", "must be at least 1 (or null for no limit)"));
         }
         if let Some(d) = &self.difficulty {
-            d.problems(&mut p);
+            p.extend(streamrl_schemas::problem::under("difficulty", d.problems()));
         }
         p
     }
@@ -261,7 +279,7 @@ struct Order {
 /// The source stage.
 pub struct SourceStage {
     cfg: SourceConfig,
-    ctx: Ctx,
+    ctx: BuildContext,
     envs: Arc<Mix>,
     tokenizer: Tokenizer,
     template: ChatTemplate,
@@ -278,23 +296,32 @@ impl std::fmt::Debug for SourceStage {
     }
 }
 
-impl SourceStage {
-    /// Builds the stage: loads the tokenizer, checks outputs and environments.
-    pub fn build(cfg: SourceConfig, ctx: Ctx) -> Result<Self, Vec<String>> {
+/// Builds the stage: loads the tokenizer, checks outputs and environments.
+impl BuildStage for SourceStage {
+    type Config = SourceConfig;
+
+    fn check(cfg: &SourceConfig) -> Vec<Invalid> {
+        cfg.problems()
+    }
+
+    fn build(cfg: SourceConfig, ctx: &BuildContext) -> Result<Self, BuildError> {
         let mut errs = cfg.problems();
-        let envs = ctx.require_envs();
-        let prompts = ctx.require_output(SchemaId::Prompts);
+        let envs = crate::require_environments(ctx).map_err(|e| errs.extend(e));
+        let prompts = ctx.require_output(SchemaId::Prompts).map_err(|e| errs.push(e));
         if cfg.difficulty.is_some() && !ctx.inputs.iter().any(|(_, s)| *s == SchemaId::Scored) {
-            errs.push(format!(
-                "difficulty pools need feedback: add the topic of schema `scored` to stage `{}`'s inputs",
-                ctx.stage
+            errs.push(Invalid::new(
+                "difficulty",
+                format!(
+                    "difficulty pools need feedback: add the topic of schema `scored` to stage `{}`'s inputs",
+                    ctx.stage
+                ),
             ));
         }
         let mut cfg = cfg;
         if errs.is_empty() {
             match crate::weights::initial(&cfg.checkpoint, &ctx.weights_cache(), crate::weights::INITIAL_WAIT) {
                 Ok(dir) => cfg.checkpoint = dir,
-                Err(e) => errs.push(format!("checkpoint: {e}")),
+                Err(e) => errs.push(Invalid::new("checkpoint", e.to_string())),
             }
         }
         let tok_path = cfg.checkpoint.join("tokenizer.json");
@@ -302,24 +329,16 @@ impl SourceStage {
         if let Err(e) = &tokenizer
             && errs.is_empty()
         {
-            errs.push(format!("checkpoint: {e}"));
+            errs.push(Invalid::new("checkpoint", e.to_string()));
         }
         let template = ChatTemplate::for_checkpoint(&cfg.checkpoint);
         if let Err(e) = &template {
-            errs.push(format!("checkpoint: {e}"));
+            errs.push(Invalid::new("checkpoint", e.to_string()));
         }
-        if let Err(e) = &envs {
-            errs.extend(e.clone());
-        }
-        if let Err(e) = &prompts {
-            errs.extend(e.clone());
-        }
-        if !errs.is_empty() {
-            return Err(errs);
-        }
+        none_or_invalid(errs)?;
         Ok(SourceStage {
             cfg,
-            ctx,
+            ctx: ctx.clone(),
             envs: envs.expect("checked"),
             tokenizer: tokenizer.expect("checked"),
             template: template.expect("checked"),
@@ -329,7 +348,9 @@ impl SourceStage {
             orders: BTreeMap::new(),
         })
     }
+}
 
+impl SourceStage {
     /// The problem the `i`-th draw (over all epochs) from a dataset of `n` train problems
     /// visits.
     fn dataset_seed(&mut self, env: &str, n: u64, i: u64) -> u64 {

@@ -5,6 +5,7 @@
 use std::path::Path;
 use std::time::Instant;
 
+use crate::Invalid;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
@@ -68,25 +69,32 @@ impl Default for TrainConfig {
 
 impl TrainConfig {
     /// Every invalid value.
-    pub fn problems(&self) -> Vec<String> {
+    pub fn problems(&self) -> Vec<Invalid> {
         let mut p = Vec::new();
         if self.pack_len == 0 {
-            p.push("pack_len must be at least 1".into());
+            p.push(Invalid::new("pack_len", "must be at least 1"));
         }
         if self.micro_batch_tokens < self.pack_len {
-            p.push(format!(
-                "micro_batch_tokens {} must be at least pack_len {}",
-                self.micro_batch_tokens, self.pack_len
+            p.push(Invalid::new(
+                "micro_batch_tokens",
+                format!(
+                    "{} must be at least pack_len {}",
+                    self.micro_batch_tokens, self.pack_len
+                ),
             ));
         }
         if !(self.temperature > 0.0 && self.temperature.is_finite()) {
-            p.push(format!("temperature {} must be positive", self.temperature));
+            p.push(Invalid::new(
+                "temperature",
+                format!("{} must be positive", self.temperature),
+            ));
         }
         if let LossConfig::MaskedIs { low, high, .. } = self.loss
             && !(low > 0.0 && low < 1.0 && high > 1.0)
         {
-            p.push(format!(
-                "loss: masked_is needs 0 < low < 1 < high, got low {low} high {high}"
+            p.push(Invalid::new(
+                "loss",
+                format!("masked_is needs 0 < low < 1 < high, got low {low} high {high}"),
             ));
         }
         p

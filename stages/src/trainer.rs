@@ -34,12 +34,13 @@ use std::path::{Path, PathBuf};
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use streamrl_model::chat::ChatTemplate;
+use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, none_or_invalid};
 use streamrl_runtime::{Emitter, Input, Stage, StageError, telemetry};
 use streamrl_schemas::{Outcome, PolicyRow, SampleRow, SchemaId, Signal, TopicRow, TrainedRow};
 
 use crate::step_metrics::{StepMetrics, name};
 use crate::train::{Learner, StepReport, TrainConfig, TrainSample};
-use crate::{Ctx, compute, now_ms, rows};
+use crate::{Invalid, compute, now_ms, rows};
 
 /// Configuration of the trainer stage.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -112,43 +113,57 @@ impl Default for TrainerConfig {
 
 impl TrainerConfig {
     /// Every invalid value.
-    pub fn problems(&self) -> Vec<String> {
+    pub fn problems(&self) -> Vec<Invalid> {
         let mut p = Vec::new();
         if self.checkpoint.as_os_str().is_empty() {
-            p.push("checkpoint: required (the initial policy)".into());
+            p.push(Invalid::new("checkpoint", "required (the initial policy)"));
         }
         if self.groups_per_step == 0 {
-            p.push("groups_per_step must be at least 1".into());
+            p.push(Invalid::new("groups_per_step", "must be at least 1"));
         }
         if self.dedup_window <= self.max_off_policy_steps {
-            p.push(format!(
-                "dedup_window {} must exceed max_off_policy_steps {} (a sample young enough to train must be told apart from a copy)",
-                self.dedup_window, self.max_off_policy_steps
+            p.push(Invalid::new(
+                "dedup_window",
+                format!(
+                    "{} must exceed max_off_policy_steps {} (a sample young enough to train must be told apart from a copy)",
+                    self.dedup_window, self.max_off_policy_steps
+                ),
             ));
         }
         if self.keep_last == 0 {
-            p.push("keep_last must be at least 1 (rollout replicas load the newest)".into());
+            p.push(Invalid::new(
+                "keep_last",
+                "must be at least 1 (rollout replicas load the newest)",
+            ));
         }
         if !(self.retain_secs.is_finite() && self.retain_secs >= 0.0) {
-            p.push(format!("retain_secs {} must be a number ≥ 0", self.retain_secs));
+            p.push(Invalid::new(
+                "retain_secs",
+                format!("{} must be a number ≥ 0", self.retain_secs),
+            ));
         }
         match (&self.serve_checkpoints, &self.checkpoint_url) {
-            (None, Some(u)) => p.push(format!(
-                "checkpoint_url `{u}` needs serve_checkpoints (the address to serve them on)"
+            (None, Some(u)) => p.push(Invalid::new(
+                "checkpoint_url",
+                format!("`{u}` needs serve_checkpoints (the address to serve them on)"),
             )),
             (Some(a), url) => match a.parse::<std::net::SocketAddr>() {
-                Err(e) => p.push(format!("serve_checkpoints `{a}` is not a host:port address: {e}")),
-                Ok(addr) if addr.ip().is_unspecified() && url.is_none() => p.push(format!(
-                    "serve_checkpoints `{a}` listens on every interface: set checkpoint_url to the URL readers reach it at"
+                Err(e) => p.push(Invalid::new(
+                    "serve_checkpoints",
+                    format!("`{a}` is not a host:port address: {e}"),
+                )),
+                Ok(addr) if addr.ip().is_unspecified() && url.is_none() => p.push(Invalid::new(
+                    "serve_checkpoints",
+                    format!("`{a}` listens on every interface: set checkpoint_url to the URL readers reach it at"),
                 )),
                 Ok(_) => {}
             },
             (None, None) => {}
         }
         if let Some(u) = self.checkpoint_url.as_ref().filter(|u| !u.starts_with("http://")) {
-            p.push(format!("checkpoint_url `{u}` must start with http://"));
+            p.push(Invalid::new("checkpoint_url", format!("`{u}` must start with http://")));
         }
-        p.extend(self.train.problems().into_iter().map(|e| format!("train.{e}")));
+        p.extend(streamrl_schemas::problem::under("train", self.train.problems()));
         p
     }
 }
@@ -167,7 +182,9 @@ struct TrainerState {
 /// The trainer stage.
 pub struct TrainerStage {
     cfg: TrainerConfig,
-    ctx: Ctx,
+    ctx: BuildContext,
+    /// The topology's environments (held-out evaluation), if it has any.
+    envs: Option<std::sync::Arc<streamrl_envs::Mix>>,
     learner: Learner,
     store: PathBuf,
     policy_topic: String,
@@ -262,30 +279,33 @@ fn abs(p: &Path) -> PathBuf {
     std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
 }
 
-impl TrainerStage {
-    /// Builds the stage: resumes from the newest checkpoint in `run_dir/checkpoints`, or
-    /// starts from `checkpoint`.
-    pub fn build(cfg: TrainerConfig, ctx: Ctx) -> Result<Self, Vec<String>> {
+/// Builds the stage: resumes from the newest checkpoint in `run_dir/checkpoints`, or
+/// starts from `checkpoint`.
+impl BuildStage for TrainerStage {
+    type Config = TrainerConfig;
+
+    fn check(cfg: &TrainerConfig) -> Vec<Invalid> {
+        cfg.problems()
+    }
+
+    fn build(cfg: TrainerConfig, ctx: &BuildContext) -> Result<Self, BuildError> {
         let mut errs = cfg.problems();
-        let policy = ctx.require_output(SchemaId::Policy);
-        if let Err(e) = &policy {
-            errs.extend(e.clone());
-        }
-        if !errs.is_empty() {
-            return Err(errs);
-        }
+        let policy = ctx.require_output(SchemaId::Policy).map_err(|e| errs.push(e));
+        none_or_invalid(errs)?;
+        let envs = crate::environments(ctx)?;
         let store = ctx.run_dir.join("checkpoints");
         let ckpt_listener = match &cfg.serve_checkpoints {
-            Some(a) => {
-                Some(std::net::TcpListener::bind(a).map_err(|e| vec![format!("serve_checkpoints: binding {a}: {e}")])?)
-            }
+            Some(a) => Some(
+                std::net::TcpListener::bind(a)
+                    .map_err(|e| BuildError::setup(format!("serve_checkpoints: binding {a}"), e))?,
+            ),
             None => None,
         };
         let ckpt_base = match (&cfg.checkpoint_url, &ckpt_listener) {
             (Some(u), _) => Some(u.clone()),
             (None, Some(l)) => Some(format!(
                 "http://{}",
-                l.local_addr().map_err(|e| vec![format!("serve_checkpoints: {e}")])?
+                l.local_addr().map_err(|e| BuildError::setup("serve_checkpoints", e))?
             )),
             (None, None) => None,
         };
@@ -295,7 +315,7 @@ impl TrainerStage {
                 let state: TrainerState = std::fs::read(&path)
                     .map_err(|e| e.to_string())
                     .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
-                    .map_err(|e| vec![format!("resuming from {}: {e}", path.display())])?;
+                    .map_err(|e| BuildError::setup(format!("resuming from {}", path.display()), e))?;
                 tracing::info!(version = state.version, dir = %dir.display(), "trainer resumes");
                 (dir, state)
             }
@@ -304,10 +324,12 @@ impl TrainerStage {
         let published = std::fs::read_to_string(store.join("published"))
             .ok()
             .and_then(|s| s.trim().parse::<u64>().ok());
-        let learner =
-            Learner::load(&dir, cfg.train.clone()).map_err(|e| vec![format!("checkpoint {}: {e}", dir.display())])?;
-        let sha = streamrl_model::checkpoint::weights_sha256(&dir).map_err(|e| vec![e.to_string()])?;
-        let template = ChatTemplate::for_checkpoint(&cfg.checkpoint).map_err(|e| vec![format!("checkpoint: {e}")])?;
+        let learner = Learner::load(&dir, cfg.train.clone())
+            .map_err(|e| BuildError::setup(format!("checkpoint {}", dir.display()), e))?;
+        let sha = streamrl_model::checkpoint::weights_sha256(&dir)
+            .map_err(|e| BuildError::setup(format!("checkpoint {}", dir.display()), e))?;
+        let template =
+            ChatTemplate::for_checkpoint(&cfg.checkpoint).map_err(|e| Invalid::new("checkpoint", e.to_string()))?;
         let current = PolicyRow {
             run_id: ctx.run_id.clone(),
             version: state.version as u32,
@@ -333,7 +355,8 @@ impl TrainerStage {
             version: state.version,
             current,
             cfg,
-            ctx,
+            ctx: ctx.clone(),
+            envs,
             learner,
             store,
             policy_topic: policy.expect("checked"),
@@ -346,7 +369,9 @@ impl TrainerStage {
             instruments,
         })
     }
+}
 
+impl TrainerStage {
     /// The policy version published last.
     pub fn version(&self) -> u64 {
         self.version
@@ -659,7 +684,7 @@ impl TrainerStage {
 
     /// Held-out greedy accuracy of the current weights, per environment and on average.
     fn heldout(&self) -> Vec<(String, f64)> {
-        let (Some(envs), Some(tok)) = (self.ctx.envs.as_ref(), self.learner.tokenizer.as_ref()) else {
+        let (Some(envs), Some(tok)) = (self.envs.as_ref(), self.learner.tokenizer.as_ref()) else {
             return vec![];
         };
         let template = self.template.clone();
@@ -880,6 +905,9 @@ mod tests {
                 ..Default::default()
             }
             .problems()
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
             .join("; ")
         };
         assert_eq!(with(None, None), "");

@@ -4,60 +4,33 @@
 //! `STREAMRL_BLESS=1`, which rewrites it) and review the diff.
 
 use std::path::Path;
-use std::sync::Arc;
 
 use arrow::record_batch::RecordBatch;
 use arrow::util::pretty::pretty_format_batches;
+use streamrl_runtime::build::{BuildContext, BuildStage};
 use streamrl_runtime::{Emitter, Input, Stage};
 use streamrl_schemas::{ExecutedRow, RolloutRow, SampleRow, SchemaId, ScoredRow, TopicRow};
+use streamrl_stages::build_envs;
 use streamrl_stages::mask::{MaskConfig, MaskStage};
 use streamrl_stages::reward::{RewardConfig, RewardStage};
 use streamrl_stages::sandbox::pass_through;
-use streamrl_stages::{Ctx, build_envs};
 
-fn ctx(stage: &str, run_dir: &Path, output: (&str, SchemaId)) -> Ctx {
-    let envs: serde_yaml::Value = serde_yaml::from_str("arith: {weight: 1}").unwrap();
-    Ctx {
-        run_id: "golden".into(),
-        run_dir: run_dir.to_path_buf(),
-        stage: stage.into(),
-        replica: 0,
-        inputs: Vec::new(),
-        outputs: vec![(output.0.to_string(), output.1)],
-        envs: build_envs(&envs).unwrap().map(Arc::new),
-        durable_bus: false,
-        bus: None,
-    }
+mod common;
+
+fn ctx(stage: &str, run_dir: &Path, output: (&str, SchemaId)) -> BuildContext {
+    common::ctx("golden", stage, run_dir, &[output], "arith: {weight: 1}")
 }
 
 /// An arith rollout of group `group` answering `completion` (the answer is 2).
 fn executed(group: &str, i: u32, size: u32, completion: &str) -> ExecutedRow {
     pass_through(RolloutRow {
         run_id: "golden".into(),
-        problem_id: "p".into(),
-        group_id: group.into(),
-        rollout_id: format!("{group}-{i}"),
-        sample_id: format!("{group}-{i}-t0"),
-        env: "arith".into(),
-        step: 0,
-        sample_index: i,
-        group_size: size,
-        turn: 0,
-        prompt: "1+1=".into(),
-        prompt_token_ids: vec![21, 15, 21, 33],
         completion: completion.into(),
         completion_token_ids: completion.bytes().map(u32::from).collect(),
         completion_logprobs: vec![-0.5; completion.len()],
         completion_versions: vec![0; completion.len()],
         loss_mask: vec![true; completion.len()],
-        finish_reason: "stop".into(),
-        tool_calls: vec![],
-        answer: Some("2".into()),
-        info: None,
-        temperature: 1.0,
-        started_at: 0,
-        finished_at: 0,
-        created_at: 0,
+        ..common::rollout_row(group, i, size)
     })
 }
 
@@ -102,7 +75,7 @@ async fn reward_stage_golden() {
     let dir = tempfile::tempdir().unwrap();
     let mut stage = RewardStage::build(
         RewardConfig::default(),
-        ctx("reward", dir.path(), ("scored", SchemaId::Scored)),
+        &ctx("reward", dir.path(), ("scored", SchemaId::Scored)),
     )
     .unwrap();
     let rows = [
@@ -131,7 +104,7 @@ async fn mask_stage_golden() {
     let dir = tempfile::tempdir().unwrap();
     let mut stage = MaskStage::build(
         MaskConfig::default(),
-        ctx("mask", dir.path(), ("samples", SchemaId::Samples)),
+        &ctx("mask", dir.path(), ("samples", SchemaId::Samples)),
     )
     .unwrap();
     let envs = build_envs(&serde_yaml::from_str("arith: {}").unwrap())

@@ -1,19 +1,19 @@
 //! Each stage driven directly (process / tick / start), outputs inspected.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use candle_core::Device;
 use streamrl_model::{Tokenizer, checkpoint, config};
+use streamrl_runtime::build::{BuildContext, BuildStage};
 use streamrl_runtime::{Emitter, Input, Stage};
 use streamrl_schemas::{PolicyRow, PromptRow, RolloutRow, SampleRow, SchemaId, ScoredRow, TopicRow};
+use streamrl_stages::build_envs;
 use streamrl_stages::mask::{MaskConfig, MaskStage};
 use streamrl_stages::reward::{RewardConfig, RewardStage};
 use streamrl_stages::rollout::{RolloutConfig, RolloutStage};
 use streamrl_stages::sandbox::pass_through;
 use streamrl_stages::source::{SourceConfig, SourceStage};
 use streamrl_stages::trainer::{TrainerConfig, TrainerStage};
-use streamrl_stages::{Ctx, build_envs};
 
 fn tiny(dir: &Path, seed: u64) -> String {
     let tok = Tokenizer::char_level();
@@ -30,19 +30,11 @@ fn tiny_in_tempdir() -> (tempfile::TempDir, std::path::PathBuf) {
     (dir, ckpt)
 }
 
-fn ctx(stage: &str, run_dir: &Path, outputs: &[(&str, SchemaId)]) -> Ctx {
-    let envs: serde_yaml::Value = serde_yaml::from_str("arith: {weight: 1}").unwrap();
-    Ctx {
-        run_id: "test".into(),
-        run_dir: run_dir.to_path_buf(),
-        stage: stage.into(),
-        replica: 0,
-        inputs: Vec::new(),
-        outputs: outputs.iter().map(|(n, s)| (n.to_string(), *s)).collect(),
-        envs: build_envs(&envs).unwrap().map(Arc::new),
-        durable_bus: false,
-        bus: None,
-    }
+mod common;
+use common::rollout_row;
+
+fn ctx(stage: &str, run_dir: &Path, outputs: &[(&str, SchemaId)]) -> BuildContext {
+    common::ctx("test", stage, run_dir, outputs, "arith: {weight: 1}")
 }
 
 fn batches<T: TopicRow>(out: &mut Emitter, topic: &str) -> Vec<T> {
@@ -61,36 +53,6 @@ fn input<T: TopicRow>(topic: &str, rows: &[T]) -> Input {
     Input::new(topic, T::SCHEMA, T::to_batch(rows).unwrap())
 }
 
-fn rollout_row(group: &str, i: u32, size: u32) -> RolloutRow {
-    RolloutRow {
-        run_id: "test".into(),
-        problem_id: "p".into(),
-        group_id: group.into(),
-        rollout_id: format!("{group}-{i}"),
-        sample_id: format!("{group}-{i}-t0"),
-        env: "arith".into(),
-        step: 0,
-        sample_index: i,
-        group_size: size,
-        turn: 0,
-        prompt: "1+1=".into(),
-        prompt_token_ids: vec![21, 15, 21, 33],
-        completion: "2\n".into(),
-        completion_token_ids: vec![22, 4, 2],
-        completion_logprobs: vec![-0.5, -0.25, -0.1],
-        completion_versions: vec![0, 0, 0],
-        loss_mask: vec![true, true, true],
-        finish_reason: "stop".into(),
-        tool_calls: vec![],
-        answer: Some("2".into()),
-        info: None,
-        temperature: 1.0,
-        started_at: 0,
-        finished_at: 0,
-        created_at: 0,
-    }
-}
-
 fn scored(group: &str, i: u32, size: u32, reward: f32) -> ScoredRow {
     let e = pass_through(rollout_row(group, i, size));
     let envs = build_envs(&serde_yaml::from_str("arith: {}").unwrap())
@@ -106,7 +68,7 @@ async fn reward_scores_with_the_environment_rubric_and_refuses_unknown_environme
     let dir = tempfile::tempdir().unwrap();
     let mut stage = RewardStage::build(
         RewardConfig::default(),
-        ctx("reward", dir.path(), &[("scored", SchemaId::Scored)]),
+        &ctx("reward", dir.path(), &[("scored", SchemaId::Scored)]),
     )
     .unwrap();
     let good = pass_through(rollout_row("g", 0, 2));
@@ -136,7 +98,7 @@ async fn mask_waits_for_the_whole_group_dedups_and_filters_groups_without_signal
     let dir = tempfile::tempdir().unwrap();
     let mut stage = MaskStage::build(
         MaskConfig::default(),
-        ctx("mask", dir.path(), &[("samples", SchemaId::Samples)]),
+        &ctx("mask", dir.path(), &[("samples", SchemaId::Samples)]),
     )
     .unwrap();
     let mut out = Emitter::default();
@@ -204,7 +166,7 @@ async fn source_admits_groups_only_within_the_async_level_and_resumes_its_positi
         ..Default::default()
     };
     let c = ctx("source", dir.path(), &[("prompts", SchemaId::Prompts)]);
-    let mut stage = SourceStage::build(cfg.clone(), c.clone()).unwrap();
+    let mut stage = SourceStage::build(cfg.clone(), &c).unwrap();
     let mut out = Emitter::default();
     stage.start(&mut out).await.unwrap();
     stage.tick(&mut out).await.unwrap();
@@ -234,7 +196,7 @@ async fn source_admits_groups_only_within_the_async_level_and_resumes_its_positi
     assert_eq!(second.iter().map(|p| p.step).collect::<Vec<_>>(), vec![2, 2, 2]);
     // A restarted source continues where the snapshot says...
     let snap = stage.snapshot().unwrap();
-    let mut again = SourceStage::build(cfg.clone(), c.clone()).unwrap();
+    let mut again = SourceStage::build(cfg.clone(), &c).unwrap();
     again.restore(&snap).unwrap();
     again
         .process(input("policy", &[policy_row(5)]), &mut out)
@@ -255,7 +217,7 @@ async fn source_admits_groups_only_within_the_async_level_and_resumes_its_positi
     assert_eq!(ids.len(), 12);
     // ...but admits again, under the same ids, the groups of steps the trainer has not
     // trained (lost with an in-process bus).
-    let mut behind = SourceStage::build(cfg, c).unwrap();
+    let mut behind = SourceStage::build(cfg, &c).unwrap();
     behind.restore(&snap).unwrap();
     behind
         .process(input("policy", &[policy_row(1)]), &mut out)
@@ -320,8 +282,8 @@ async fn source_files_problems_into_difficulty_pools_by_group_reward_and_draws_f
     };
     let outputs = [("prompts", SchemaId::Prompts), ("metrics", SchemaId::Metrics)];
     // Pools without feedback are refused, naming what is missing.
-    let err = SourceStage::build(cfg.clone(), ctx("source", dir.path(), &outputs)).unwrap_err();
-    assert!(err.iter().any(|e| e.contains("`scored`")), "{err:?}");
+    let err = SourceStage::build(cfg.clone(), &ctx("source", dir.path(), &outputs)).unwrap_err();
+    assert!(err.to_string().contains("`scored`"), "{err:?}");
     let bad = SourceConfig {
         difficulty: Some(DifficultyConfig {
             easy_fraction: 0.8,
@@ -335,15 +297,15 @@ async fn source_files_problems_into_difficulty_pools_by_group_reward_and_draws_f
     assert!(
         problems
             .iter()
-            .any(|p| p.contains("hard_threshold 1 must be below easy_threshold 1"))
+            .any(|p| p.to_string() == "difficulty.hard_threshold: 1 must be below easy_threshold 1")
     );
-    assert!(problems.iter().any(|p| p.contains("exceeds 1")), "{problems:?}");
+    assert!(problems.iter().any(|p| p.message.contains("exceeds 1")), "{problems:?}");
 
-    let c = Ctx {
+    let c = BuildContext {
         inputs: vec![("scored".into(), SchemaId::Scored)],
         ..ctx("source", dir.path(), &outputs)
     };
-    let mut stage = SourceStage::build(cfg.clone(), c.clone()).unwrap();
+    let mut stage = SourceStage::build(cfg.clone(), &c).unwrap();
     let mut out = Emitter::default();
     stage
         .process(input("policy", &[policy_row(0)]), &mut out)
@@ -398,7 +360,7 @@ async fn source_files_problems_into_difficulty_pools_by_group_reward_and_draws_f
         .await
         .unwrap();
     let snap = stage.snapshot().unwrap();
-    let mut restored = SourceStage::build(cfg, c).unwrap();
+    let mut restored = SourceStage::build(cfg, &c).unwrap();
     restored.restore(&snap).unwrap();
     restored
         .process(input("policy", &[policy_row(1)]), &mut out)
@@ -434,7 +396,7 @@ async fn source_reads_a_dataset_in_shuffled_epochs_and_stops_after_the_last() {
     };
     // The math fixture: 10 problems, every 5th held out, so 8 to train on.
     let c = ctx_with_envs("source", dir.path(), &[("prompts", SchemaId::Prompts)], "math: {}");
-    let mut stage = SourceStage::build(cfg.clone(), c.clone()).unwrap();
+    let mut stage = SourceStage::build(cfg.clone(), &c).unwrap();
     let mut out = Emitter::default();
     stage
         .process(input("policy", &[policy_row(0)]), &mut out)
@@ -455,7 +417,7 @@ async fn source_reads_a_dataset_in_shuffled_epochs_and_stops_after_the_last() {
         shuffle: false,
         ..cfg.clone()
     };
-    let mut plain = SourceStage::build(unshuffled, c.clone()).unwrap();
+    let mut plain = SourceStage::build(unshuffled, &c).unwrap();
     plain
         .process(input("policy", &[policy_row(0)]), &mut out)
         .await
@@ -463,7 +425,7 @@ async fn source_reads_a_dataset_in_shuffled_epochs_and_stops_after_the_last() {
     let plain_rows: Vec<PromptRow> = batches(&mut out, "prompts");
     let ids = |r: &[PromptRow]| r.iter().map(|p| p.problem_id.clone()).collect::<Vec<_>>();
     assert_ne!(ids(&plain_rows[..8]), ids(&rows[..8]));
-    let mut same = SourceStage::build(cfg, c).unwrap();
+    let mut same = SourceStage::build(cfg, &c).unwrap();
     same.process(input("policy", &[policy_row(0)]), &mut out).await.unwrap();
     assert_eq!(ids(&batches::<PromptRow>(&mut out, "prompts")), ids(&rows));
 }
@@ -499,7 +461,7 @@ async fn rollout_generates_whole_groups_and_swaps_policies_that_load() {
         max_inflight_groups: 1,
         ..Default::default()
     };
-    let mut stage = RolloutStage::build(cfg, ctx("rollout", dir.path(), &[("rollouts", SchemaId::Rollouts)])).unwrap();
+    let mut stage = RolloutStage::build(cfg, &ctx("rollout", dir.path(), &[("rollouts", SchemaId::Rollouts)])).unwrap();
     let mut out = Emitter::default();
     // One group in flight at most: once it is in, the stage takes no more prompts, and
     // its ticks generate the group.
@@ -578,7 +540,7 @@ async fn rollout_swaps_weights_mid_group_with_every_slot_full() {
         ignore_eos: true,
         ..Default::default()
     };
-    let mut stage = RolloutStage::build(cfg, ctx("rollout", dir.path(), &[("rollouts", SchemaId::Rollouts)])).unwrap();
+    let mut stage = RolloutStage::build(cfg, &ctx("rollout", dir.path(), &[("rollouts", SchemaId::Rollouts)])).unwrap();
     let mut out = Emitter::default();
     let long = PromptRow {
         max_tokens: 48,
@@ -644,7 +606,7 @@ fn trainer(run_dir: &Path, ckpt: PathBuf) -> TrainerStage {
     };
     TrainerStage::build(
         cfg,
-        ctx(
+        &ctx(
             "trainer",
             run_dir,
             &[("policy", SchemaId::Policy), ("metrics", SchemaId::Metrics)],
@@ -777,14 +739,14 @@ async fn restarted_trainer_on_a_durable_bus_publishes_each_version_and_its_linea
             ],
         );
         c.durable_bus = durable;
-        c.bus = durable.then(|| streamrl_stages::BusHandle(b.clone()));
+        c.bus = durable.then(|| streamrl_runtime::build::BusHandle(b.clone()));
         let cfg = TrainerConfig {
             checkpoint: ckpt.clone(),
             groups_per_step: 2,
             max_off_policy_steps: 1,
             ..Default::default()
         };
-        TrainerStage::build(cfg, c).unwrap()
+        TrainerStage::build(cfg, &c).unwrap()
     };
     // Train version 1 outside the runtime: saved, never acknowledged by a bus.
     let mut t = build(false);
@@ -893,11 +855,8 @@ async fn trainer_trains_each_version_on_the_groups_admitted_for_that_step() {
     assert_eq!(out.released(), ["c".to_string(), "late".to_string()]);
 }
 
-fn ctx_with_envs(stage: &str, run_dir: &Path, outputs: &[(&str, SchemaId)], envs: &str) -> Ctx {
-    Ctx {
-        envs: build_envs(&serde_yaml::from_str(envs).unwrap()).unwrap().map(Arc::new),
-        ..ctx(stage, run_dir, outputs)
-    }
+fn ctx_with_envs(stage: &str, run_dir: &Path, outputs: &[(&str, SchemaId)], envs: &str) -> BuildContext {
+    common::ctx("test", stage, run_dir, outputs, envs)
 }
 
 const SANDBOX_ENVS: &str = "code: {config: {wall_ms: 1500, test_timeout_secs: 1}}\ntool: {}\narith: {}";
@@ -929,7 +888,7 @@ async fn sandbox_runs_unit_tests_and_tool_calls_and_reward_reads_the_results() {
         },
         ..Default::default()
     };
-    let mut stage = SandboxStage::build(cfg, ctx_with_envs("sandbox", dir.path(), &outputs, SANDBOX_ENVS)).unwrap();
+    let mut stage = SandboxStage::build(cfg, &ctx_with_envs("sandbox", dir.path(), &outputs, SANDBOX_ENVS)).unwrap();
     let envs = build_envs(&serde_yaml::from_str(SANDBOX_ENVS).unwrap())
         .unwrap()
         .unwrap();
@@ -1027,7 +986,7 @@ async fn rollout_continues_a_trajectory_after_its_tool_output_with_the_tool_toke
     };
     let mut stage = RolloutStage::build(
         cfg,
-        ctx_with_envs("rollout", dir.path(), &[("rollouts", SchemaId::Rollouts)], "tool: {}"),
+        &ctx_with_envs("rollout", dir.path(), &[("rollouts", SchemaId::Rollouts)], "tool: {}"),
     )
     .unwrap();
     let tok = Tokenizer::char_level();
@@ -1146,7 +1105,10 @@ fn few_shot_and_system_prompts_render_through_the_checkpoint_template() {
         p.text
     );
     let err = build_envs(&serde_yaml::from_str("tool: {few_shot: 1, bogus: 2}").unwrap()).unwrap_err();
-    assert!(err[0].contains("envs.tool") && err[0].contains("bogus"), "{err:?}");
+    assert!(
+        err[0].path == "envs.tool.bogus" && err[0].message.contains("unknown field"),
+        "{err:?}"
+    );
 }
 
 /// A tiny Qwen3-MoE checkpoint (4 experts, 2 per token) with the character tokenizer.

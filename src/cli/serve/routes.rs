@@ -179,7 +179,7 @@ pub async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
 }
 
 /// `POST /v1/load_weights {"path", "version", "sha256"?}`: an in-flight weight update
-/// (the rollout stage's `engine: openai://` sends the trainer's new versions here).
+/// (the rollout stage's `engine: {openai: ...}` sends the trainer's new versions here).
 /// `path` is a checkpoint directory this server can read, or the `http://` URL of a
 /// checkpoint a trainer serves (downloaded and checked first).
 pub async fn load_weights(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
