@@ -7,7 +7,7 @@
 //! (dotted, units in `unit`, not in the name); rates such as tokens/s are the backend's
 //! `rate()` over the counters. The stage counters (messages, rows, errors, dead letters)
 //! are observable: each export reads them from the replica's
-//! [`StageMetrics`](crate::runner::StageMetrics), the one count that `streamrl run`'s table
+//! [`StageMetrics`], the one count that `streamrl run`'s table
 //! and `streamrl stage --metrics-port` also show.
 //!
 //! | instrument | kind | unit | attributes |
