@@ -386,232 +386,42 @@ impl Topology {
         Self::from_document(document(yaml)?, check_config)
     }
 
-    /// Validates a parsed document (e.g. [`read_document`]'s, overrides applied),
-    /// collecting every problem.
+    /// Validates a parsed document (e.g. [`read_document`]'s, overrides applied) in
+    /// passes (top-level keys, the bus, topics, the dead-letter topic, each stage with its
+    /// ports, replicas and config, `envs:`, cycles), collecting every problem.
     pub fn from_document(root: Value, check_config: ConfigCheck<'_>) -> Result<Topology, Vec<Problem>> {
-        let mut errs = Vec::new();
-        let err = |errs: &mut Vec<Problem>, path: String, message: String| errs.push(Problem { path, message });
         let Some(root) = root.as_mapping() else {
-            return Err(vec![Problem {
-                path: "(document)".into(),
-                message: "expected a mapping at the top level".into(),
-            }]);
+            return Err(vec![Problem::new("(document)", "expected a mapping at the top level")]);
         };
-        for k in root.keys() {
-            let k = key_str(k);
-            if !TOP_KEYS.contains(&k.as_str()) {
-                err(
-                    &mut errs,
-                    k.clone(),
-                    format!("unknown field `{k}` (known: {})", TOP_KEYS.join(", ")),
-                );
-            }
-        }
+        let mut errs = check_keys(root);
         let get_str = |k: &str| root.get(k).and_then(Value::as_str).map(str::to_string);
         let bus = get_str("bus").unwrap_or_else(|| "memory://".into());
         if let Err(e) = crate::bus::scheme(&bus) {
-            err(&mut errs, "bus".into(), e.to_string());
+            errs.push(Problem::new("bus", e.to_string()));
         }
         let run_id = get_str("run_id").unwrap_or_else(|| "default".into());
         let run_dir = PathBuf::from(get_str("run_dir").unwrap_or_else(|| format!("runs/{run_id}")));
         let dead_letter = get_str("dead_letter").unwrap_or_else(|| "dead_letter".into());
-
-        let mut topics = BTreeMap::new();
-        for (name, v) in root.get("topics").and_then(Value::as_mapping).into_iter().flatten() {
-            let name = key_str(name);
-            let path = format!("topics.{name}");
-            let raw: RawTopic = match serde_yaml::from_value(v.clone()) {
-                Ok(r) => r,
-                Err(e) => {
-                    err(&mut errs, path, e.to_string());
-                    continue;
-                }
-            };
-            let schema = match raw.schema.parse::<SchemaId>() {
-                Ok(s) => s,
-                Err(e) => {
-                    err(&mut errs, format!("{path}.schema"), e.to_string());
-                    continue;
-                }
-            };
-            if raw.partitions == 0 {
-                err(&mut errs, format!("{path}.partitions"), "must be at least 1".into());
-            }
-            if let Some(k) = &raw.key
-                && schema.schema().field_with_name(k).is_err()
-            {
-                err(
-                    &mut errs,
-                    format!("{path}.key"),
-                    format!("schema `{schema}` has no column `{k}`"),
-                );
-            }
-            topics.insert(
-                name,
-                TopicDecl {
-                    schema,
-                    partitions: raw.partitions,
-                    key: raw.key,
-                    feedback: raw.feedback,
-                    max_unconsumed_bytes: raw.max_unconsumed_bytes,
-                },
-            );
-        }
-        if root.get("topics").is_none() {
-            err(
-                &mut errs,
-                "topics".into(),
-                "missing: declare at least the dead-letter topic".into(),
-            );
-        }
-        match topics.get(&dead_letter) {
-            Some(t) if t.schema != SchemaId::DeadLetter => err(
-                &mut errs,
-                "dead_letter".into(),
-                format!("topic `{dead_letter}` carries schema `{}`, not `dead_letter`", t.schema),
-            ),
-            Some(_) => {}
-            None => err(
-                &mut errs,
-                "dead_letter".into(),
-                format!("topic `{dead_letter}` is not declared under topics"),
-            ),
-        }
-
+        let topics = compile_topics(root.get("topics"), &mut errs);
+        errs.extend(check_dead_letter(&topics, &dead_letter));
         let mut stages = BTreeMap::new();
         for (name, v) in root.get("stages").and_then(Value::as_mapping).into_iter().flatten() {
             let name = key_str(name);
-            let path = format!("stages.{name}");
-            let raw: RawStage = match serde_yaml::from_value(v.clone()) {
-                Ok(r) => r,
-                Err(e) => {
-                    err(&mut errs, path, e.to_string());
-                    continue;
-                }
+            let scope = Scope {
+                path: format!("stages.{name}"),
+                topics: &topics,
+                dead_letter: &dead_letter,
             };
-            let kind = match raw.kind.parse::<StageKind>() {
-                Ok(k) => k,
-                Err(e) => {
-                    err(&mut errs, format!("{path}.kind"), e);
-                    continue;
-                }
-            };
-            let ports = kind.ports();
-            let inputs = match raw.inputs {
-                Inputs::None => Vec::new(),
-                Inputs::Named(v) => v,
-                Inputs::All(s) if s == "all" && ports.inputs.is_none() => topics
-                    .keys()
-                    .filter(|t| **t != dead_letter || kind == StageKind::Archive)
-                    .cloned()
-                    .collect(),
-                Inputs::All(s) => {
-                    err(
-                        &mut errs,
-                        format!("{path}.inputs"),
-                        format!("expected a list of topics, got `{s}`"),
-                    );
-                    Vec::new()
-                }
-            };
-            let check_ports =
-                |errs: &mut Vec<Problem>, field: &str, list: &[String], allowed: Option<&[SchemaId]>, verb: &str| {
-                    for (i, t) in list.iter().enumerate() {
-                        let p = format!("{path}.{field}[{i}]");
-                        match topics.get(t) {
-                            None => errs.push(Problem {
-                                path: p,
-                                message: format!("topic `{t}` is not declared under topics"),
-                            }),
-                            Some(decl) => {
-                                if let Some(allowed) = allowed
-                                    && !allowed.contains(&decl.schema)
-                                {
-                                    errs.push(Problem {
-                                        path: p,
-                                        message: format!(
-                                            "topic `{t}` carries schema `{}`, but a `{kind}` stage {verb} {}",
-                                            decl.schema,
-                                            if allowed.is_empty() {
-                                                "nothing here".to_string()
-                                            } else {
-                                                allowed
-                                                    .iter()
-                                                    .map(|s| format!("`{s}`"))
-                                                    .collect::<Vec<_>>()
-                                                    .join(" or ")
-                                            }
-                                        ),
-                                    })
-                                }
-                            }
-                        }
-                    }
-                };
-            check_ports(&mut errs, "inputs", &inputs, ports.inputs, "consumes");
-            check_ports(
-                &mut errs,
-                "broadcast",
-                &raw.broadcast,
-                Some(ports.broadcast),
-                "reads as broadcast",
-            );
-            check_ports(&mut errs, "outputs", &raw.outputs, Some(ports.outputs), "emits");
-            if raw.replicas == 0 {
-                err(&mut errs, format!("{path}.replicas"), "must be at least 1".into());
+            if let Some(decl) = scope.compile_stage(v, check_config, &mut errs) {
+                stages.insert(name, decl);
             }
-            if raw.replicas > 1 && kind.is_singleton() {
-                err(
-                    &mut errs,
-                    format!("{path}.replicas"),
-                    format!(
-                        "a {kind} stage runs as one replica ({} would {}); set replicas: 1",
-                        raw.replicas,
-                        if kind == StageKind::Source {
-                            "each admit and number the same groups"
-                        } else {
-                            "each train and publish versions of their own"
-                        }
-                    ),
-                );
-            }
-            for t in &inputs {
-                if let Some(decl) = topics.get(t)
-                    && raw.replicas > decl.partitions
-                {
-                    err(
-                        &mut errs,
-                        format!("{path}.replicas"),
-                        format!(
-                            "{} replicas but input topic `{t}` has only {} partitions (replicas beyond that idle)",
-                            raw.replicas, decl.partitions
-                        ),
-                    );
-                }
-            }
-            errs.extend(streamrl_schemas::problem::under(
-                &format!("{path}.config"),
-                check_config(kind, &raw.config),
-            ));
-            stages.insert(
-                name,
-                StageDecl {
-                    kind,
-                    inputs,
-                    broadcast: raw.broadcast,
-                    outputs: raw.outputs,
-                    replicas: raw.replicas,
-                    config: raw.config,
-                },
-            );
         }
         let envs = root.get("envs").cloned().unwrap_or(Value::Null);
         if !(envs.is_null() || envs.is_mapping()) {
-            err(
-                &mut errs,
-                "envs".into(),
-                "expected a mapping of environment name to {weight, config}".into(),
-            );
+            errs.push(Problem::new(
+                "envs",
+                "expected a mapping of environment name to {weight, config}",
+            ));
         }
         let topo = Topology {
             bus,
@@ -820,6 +630,227 @@ impl Topology {
         }
         s.push_str("}\n");
         s
+    }
+}
+
+/// Pass 1: every top-level key is one streamrl knows.
+fn check_keys(root: &serde_yaml::Mapping) -> Vec<Problem> {
+    root.keys()
+        .map(key_str)
+        .filter(|k| !TOP_KEYS.contains(&k.as_str()))
+        .map(|k| {
+            Problem::new(
+                k.clone(),
+                format!("unknown field `{k}` (known: {})", TOP_KEYS.join(", ")),
+            )
+        })
+        .collect()
+}
+
+/// Pass 2: the `topics:` section, each topic's schema, partitions and key column.
+fn compile_topics(section: Option<&Value>, errs: &mut Vec<Problem>) -> BTreeMap<String, TopicDecl> {
+    if section.is_none() {
+        errs.push(Problem::new(
+            "topics",
+            "missing: declare at least the dead-letter topic",
+        ));
+    }
+    let mut topics = BTreeMap::new();
+    for (name, v) in section.and_then(Value::as_mapping).into_iter().flatten() {
+        let name = key_str(name);
+        let path = format!("topics.{name}");
+        let raw: RawTopic = match serde_yaml::from_value(v.clone()) {
+            Ok(r) => r,
+            Err(e) => {
+                errs.push(Problem::new(path, e.to_string()));
+                continue;
+            }
+        };
+        let schema = match raw.schema.parse::<SchemaId>() {
+            Ok(s) => s,
+            Err(e) => {
+                errs.push(Problem::new(format!("{path}.schema"), e.to_string()));
+                continue;
+            }
+        };
+        if raw.partitions == 0 {
+            errs.push(Problem::new(format!("{path}.partitions"), "must be at least 1"));
+        }
+        if let Some(k) = &raw.key
+            && schema.schema().field_with_name(k).is_err()
+        {
+            errs.push(Problem::new(
+                format!("{path}.key"),
+                format!("schema `{schema}` has no column `{k}`"),
+            ));
+        }
+        topics.insert(
+            name,
+            TopicDecl {
+                schema,
+                partitions: raw.partitions,
+                key: raw.key,
+                feedback: raw.feedback,
+                max_unconsumed_bytes: raw.max_unconsumed_bytes,
+            },
+        );
+    }
+    topics
+}
+
+/// Pass 3: the dead-letter topic is declared and carries `dead_letter`.
+fn check_dead_letter(topics: &BTreeMap<String, TopicDecl>, dead_letter: &str) -> Option<Problem> {
+    match topics.get(dead_letter) {
+        Some(t) if t.schema != SchemaId::DeadLetter => Some(Problem::new(
+            "dead_letter",
+            format!("topic `{dead_letter}` carries schema `{}`, not `dead_letter`", t.schema),
+        )),
+        Some(_) => None,
+        None => Some(Problem::new(
+            "dead_letter",
+            format!("topic `{dead_letter}` is not declared under topics"),
+        )),
+    }
+}
+
+/// Pass 4, one stage at a time: what a stage's checks see.
+struct Scope<'a> {
+    /// `stages.NAME`.
+    path: String,
+    topics: &'a BTreeMap<String, TopicDecl>,
+    dead_letter: &'a str,
+}
+
+impl Scope<'_> {
+    /// The stage's kind, topics, replicas and config, checked.
+    fn compile_stage(&self, v: &Value, check_config: ConfigCheck<'_>, errs: &mut Vec<Problem>) -> Option<StageDecl> {
+        let path = &self.path;
+        let raw: RawStage = serde_yaml::from_value(v.clone())
+            .map_err(|e| errs.push(Problem::new(path.clone(), e.to_string())))
+            .ok()?;
+        let kind = raw
+            .kind
+            .parse::<StageKind>()
+            .map_err(|e| errs.push(Problem::new(format!("{path}.kind"), e)))
+            .ok()?;
+        let ports = kind.ports();
+        let inputs = self.inputs(kind, raw.inputs, errs);
+        self.check_ports(errs, kind, "inputs", &inputs, ports.inputs, "consumes");
+        self.check_ports(
+            errs,
+            kind,
+            "broadcast",
+            &raw.broadcast,
+            Some(ports.broadcast),
+            "reads as broadcast",
+        );
+        self.check_ports(errs, kind, "outputs", &raw.outputs, Some(ports.outputs), "emits");
+        self.check_replicas(errs, kind, raw.replicas, &inputs);
+        errs.extend(streamrl_schemas::problem::under(
+            &format!("{path}.config"),
+            check_config(kind, &raw.config),
+        ));
+        Some(StageDecl {
+            kind,
+            inputs,
+            broadcast: raw.broadcast,
+            outputs: raw.outputs,
+            replicas: raw.replicas,
+            config: raw.config,
+        })
+    }
+
+    /// The input topics, `all` expanded (every topic but the dead-letter one, which only
+    /// the archive reads).
+    fn inputs(&self, kind: StageKind, inputs: Inputs, errs: &mut Vec<Problem>) -> Vec<String> {
+        match inputs {
+            Inputs::None => Vec::new(),
+            Inputs::Named(v) => v,
+            Inputs::All(s) if s == "all" && kind.ports().inputs.is_none() => self
+                .topics
+                .keys()
+                .filter(|t| **t != self.dead_letter || kind == StageKind::Archive)
+                .cloned()
+                .collect(),
+            Inputs::All(s) => {
+                errs.push(Problem::new(
+                    format!("{}.inputs", self.path),
+                    format!("expected a list of topics, got `{s}`"),
+                ));
+                Vec::new()
+            }
+        }
+    }
+
+    /// Each topic of `list` is declared and carries a schema the kind accepts there.
+    fn check_ports(
+        &self,
+        errs: &mut Vec<Problem>,
+        kind: StageKind,
+        field: &str,
+        list: &[String],
+        allowed: Option<&[SchemaId]>,
+        verb: &str,
+    ) {
+        for (i, t) in list.iter().enumerate() {
+            let p = format!("{}.{field}[{i}]", self.path);
+            let Some(decl) = self.topics.get(t) else {
+                errs.push(Problem::new(p, format!("topic `{t}` is not declared under topics")));
+                continue;
+            };
+            if let Some(allowed) = allowed
+                && !allowed.contains(&decl.schema)
+            {
+                let accepted = if allowed.is_empty() {
+                    "nothing here".to_string()
+                } else {
+                    allowed
+                        .iter()
+                        .map(|s| format!("`{s}`"))
+                        .collect::<Vec<_>>()
+                        .join(" or ")
+                };
+                errs.push(Problem::new(
+                    p,
+                    format!(
+                        "topic `{t}` carries schema `{}`, but a `{kind}` stage {verb} {accepted}",
+                        decl.schema
+                    ),
+                ));
+            }
+        }
+    }
+
+    /// At least one replica; one for a singleton kind; no more than an input has partitions.
+    fn check_replicas(&self, errs: &mut Vec<Problem>, kind: StageKind, replicas: u32, inputs: &[String]) {
+        let path = format!("{}.replicas", self.path);
+        if replicas == 0 {
+            errs.push(Problem::new(path.clone(), "must be at least 1"));
+        }
+        if replicas > 1 && kind.is_singleton() {
+            let why = if kind == StageKind::Source {
+                "each admit and number the same groups"
+            } else {
+                "each train and publish versions of their own"
+            };
+            errs.push(Problem::new(
+                path.clone(),
+                format!("a {kind} stage runs as one replica ({replicas} would {why}); set replicas: 1"),
+            ));
+        }
+        for t in inputs {
+            if let Some(decl) = self.topics.get(t)
+                && replicas > decl.partitions
+            {
+                errs.push(Problem::new(
+                    path.clone(),
+                    format!(
+                        "{replicas} replicas but input topic `{t}` has only {} partitions (replicas beyond that idle)",
+                        decl.partitions
+                    ),
+                ));
+            }
+        }
     }
 }
 
