@@ -157,7 +157,7 @@ impl Cgroups {
         (self.peak_file, self.events_file) = (None, None);
         for _ in 0..200 {
             for pid in self.pids() {
-                let _ = sys::kill(pid, libc::SIGKILL);
+                let _ = sys::kill(pid);
             }
             self.dirs.retain(|d| std::fs::remove_dir(d).is_err() && d.exists());
             if self.dirs.is_empty() {

@@ -104,7 +104,7 @@ pub fn main() -> ! {
             })
         }
         Ok(sys::Fork::Child) => {
-            let _ = sys::set_parent_death_signal(libc::SIGKILL);
+            let _ = sys::kill_with_parent();
             // The mounter thread first: it must not inherit the main thread's filter.
             let mounter = match build_root(&cfg).and_then(|()| Mounter::start(&cfg)).and_then(|m| {
                 ctx(sys::install_thread_seccomp(&seccomp::filter()), || {
@@ -654,13 +654,13 @@ fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
             exit = sys::try_wait(pid).ok().flatten();
             if exit.is_some() && !sys::reap_ended() {
                 // Whatever the command left running dies with it, so its pipes close.
-                let _ = sys::kill(-1, libc::SIGKILL);
+                sys::kill_all();
             }
         }
         let now = Instant::now();
         if now >= deadline && !raw.timed_out && exit.is_none() {
             raw.timed_out = true;
-            let _ = sys::kill(-1, libc::SIGKILL);
+            sys::kill_all();
         }
         // `RLIMIT_CPU` binds each process; the limit is on the tree (six busy children
         // must not get six times the CPU). Killed with SIGKILL over it, which the host
@@ -669,7 +669,7 @@ fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
             next_cpu_check = now + CPU_CHECK;
             if sys::tree_cpu_ms().saturating_sub(cpu_before) >= l.cpu_secs.saturating_mul(1000) {
                 tree_cpu_over = true;
-                let _ = sys::kill(-1, libc::SIGKILL);
+                sys::kill_all();
             }
         }
         if raw.output_limit.is_some() || raw.timed_out {
@@ -747,7 +747,7 @@ fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
                         acc.extend_from_slice(&buf[..n.min(room)]);
                         if n > room && raw.output_limit.is_none() {
                             raw.output_limit = Some(name.to_string());
-                            let _ = sys::kill(-1, libc::SIGKILL);
+                            sys::kill_all();
                         }
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,

@@ -1,6 +1,17 @@
 //! The only module with `unsafe`: thin, checked wrappers over the Linux system calls the
 //! sandbox needs (namespaces, mounts, rlimits, seccomp, signals, poll). Every wrapper
 //! turns a `-1` into the `errno` as an [`std::io::Error`].
+//!
+//! Calls go through `rustix`'s safe wrappers wherever it has one (pivot_root, unmount,
+//! statvfs, listxattr, sethostname, the parent-death signal, uid/gid/groups, kill of one
+//! pid, pidfd_open, pipes, no_new_privs, ids, clock ticks). `unsafe` stays only where it
+//! has none or where its wrapper would change what is called, each with a SAFETY note:
+//! `unshare` (rustix's is unsafe too), `fork` and `clone` with the child's pre-exec steps,
+//! `mount` with a null source or type (rustix's `mount` always passes both), `kill(-1)`,
+//! `wait4` and `getrusage` (resource usage), `poll` and `fcntl` on raw descriptors,
+//! `_exit`, capability sets by number, System V IPC, and the seccomp program itself
+//! (hand-written in [`crate::seccomp`]: its binary search over syscall numbers is
+//! measured and tested there).
 #![allow(unsafe_code)]
 
 use std::ffi::CString;
@@ -72,43 +83,28 @@ pub fn mount(
 
 /// `umount2(2)`.
 pub fn umount2(target: &Path, flags: libc::c_int) -> io::Result<()> {
-    let t = cstr(target)?;
-    // SAFETY: valid C string.
-    check(unsafe { libc::umount2(t.as_ptr(), flags) }).map(|_| ())
+    Ok(rustix::mount::unmount(
+        target,
+        rustix::mount::UnmountFlags::from_bits_retain(flags as u32),
+    )?)
 }
 
 /// The size of the list of extended attribute names of `path` (`llistxattr(2)`, not
 /// following a final symlink): 0 when it has none.
 pub fn xattr_names_len(path: &Path) -> io::Result<usize> {
-    let p = cstr(path)?;
-    // SAFETY: valid C string; a null buffer of size 0 asks only for the size.
-    let r = unsafe { libc::llistxattr(p.as_ptr(), std::ptr::null_mut(), 0) };
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r as usize)
-    }
+    Ok(rustix::fs::llistxattr_query(path)?)
 }
 
 /// `pivot_root(2)`.
 pub fn pivot_root(new_root: &Path, put_old: &Path) -> io::Result<()> {
-    let (a, b) = (cstr(new_root)?, cstr(put_old)?);
-    // SAFETY: valid C strings; the syscall takes two paths.
-    let r = unsafe { libc::syscall(libc::SYS_pivot_root, a.as_ptr(), b.as_ptr()) };
-    if r == -1 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
+    Ok(rustix::process::pivot_root(new_root, put_old)?)
 }
 
 /// The mount flags (`ST_*` as `MS_*`) of the file system holding `path`, which a
 /// read-only bind remount inside a user namespace must keep.
 pub fn locked_mount_flags(path: &Path) -> io::Result<libc::c_ulong> {
-    let p = cstr(path)?;
-    // SAFETY: statvfs writes into the zeroed struct we own.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    check(unsafe { libc::statvfs(p.as_ptr(), &mut st) })?;
+    let st = rustix::fs::statvfs(path)?;
+    let f_flag = st.f_flag.bits();
     let mut flags = 0;
     for (st_flag, ms_flag) in [
         (libc::ST_NOSUID, libc::MS_NOSUID),
@@ -118,7 +114,7 @@ pub fn locked_mount_flags(path: &Path) -> io::Result<libc::c_ulong> {
         (libc::ST_NODIRATIME, libc::MS_NODIRATIME),
         (libc::ST_RELATIME, libc::MS_RELATIME),
     ] {
-        if st.f_flag & st_flag != 0 {
+        if f_flag & st_flag != 0 {
             flags |= ms_flag;
         }
     }
@@ -127,22 +123,25 @@ pub fn locked_mount_flags(path: &Path) -> io::Result<libc::c_ulong> {
 
 /// `sethostname(2)`.
 pub fn sethostname(name: &str) -> io::Result<()> {
-    // SAFETY: pointer and length of a live byte slice.
-    check(unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) }).map(|_| ())
+    Ok(rustix::system::sethostname(name.as_bytes())?)
 }
 
-/// `prctl(PR_SET_PDEATHSIG, sig)`.
-pub fn set_parent_death_signal(sig: libc::c_int) -> io::Result<()> {
-    // SAFETY: integer arguments only.
-    check(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, sig as libc::c_ulong, 0, 0, 0) }).map(|_| ())
+/// `prctl(PR_SET_PDEATHSIG, SIGKILL)`: this process is killed when its parent dies.
+pub fn kill_with_parent() -> io::Result<()> {
+    Ok(rustix::process::set_parent_process_death_signal(Some(
+        rustix::process::Signal::KILL,
+    ))?)
 }
 
-/// Drops to `uid`/`gid` with no supplementary groups.
+/// Drops to `uid`/`gid` with no supplementary groups. The system calls act on the calling
+/// thread only (as the raw calls do; glibc's wrappers would signal every thread): the
+/// callers are single-threaded (the sandbox's init after `unshare`).
 pub fn drop_to(uid: libc::uid_t, gid: libc::gid_t) -> io::Result<()> {
-    // SAFETY: integer arguments; setgroups with 0 entries ignores the pointer.
-    check(unsafe { libc::setgroups(0, std::ptr::null()) })?;
-    check(unsafe { libc::setresgid(gid, gid, gid) })?;
-    check(unsafe { libc::setresuid(uid, uid, uid) })?;
+    use rustix::process::{Gid, Uid};
+    let (uid, gid) = (Uid::from_raw(uid), Gid::from_raw(gid));
+    rustix::thread::set_thread_groups(&[])?;
+    rustix::thread::set_thread_res_gid(gid, gid, gid)?;
+    rustix::thread::set_thread_res_uid(uid, uid, uid)?;
     Ok(())
 }
 
@@ -185,10 +184,18 @@ pub fn drop_all_capabilities() -> io::Result<()> {
     }
 }
 
-/// `kill(2)`.
-pub fn kill(pid: libc::pid_t, sig: libc::c_int) -> io::Result<()> {
-    // SAFETY: integer arguments.
-    check(unsafe { libc::kill(pid, sig) }).map(|_| ())
+/// `kill(pid, SIGKILL)` for one process.
+pub fn kill(pid: libc::pid_t) -> io::Result<()> {
+    let pid = rustix::process::Pid::from_raw(pid)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("pid {pid} names no one process")))?;
+    Ok(rustix::process::kill_process(pid, rustix::process::Signal::KILL)?)
+}
+
+/// `kill(-1, SIGKILL)`: every process this one may signal (in a pid namespace's init:
+/// every other process of the namespace).
+pub fn kill_all() {
+    // SAFETY: integer arguments (rustix has no wrapper for pid -1).
+    unsafe { libc::kill(-1, libc::SIGKILL) };
 }
 
 /// How a child ended, with its resource usage.
@@ -255,8 +262,7 @@ pub fn children_cpu_ms() -> u64 {
 /// children's time from `/proc/PID/stat` (pid 1, the init itself, aside). For a limit on
 /// the tree: `RLIMIT_CPU` counts per process.
 pub fn tree_cpu_ms() -> u64 {
-    // SAFETY: sysconf reads a constant.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    let hz = rustix::param::clock_ticks_per_second().max(1);
     let mut ticks = 0u64;
     if let Ok(dir) = std::fs::read_dir("/proc") {
         for e in dir.flatten() {
@@ -314,14 +320,12 @@ pub fn set_nonblocking(fd: RawFd) -> io::Result<()> {
 
 /// The effective uid of this process.
 pub fn geteuid() -> u32 {
-    // SAFETY: no arguments.
-    unsafe { libc::geteuid() }
+    rustix::process::geteuid().as_raw()
 }
 
 /// The effective gid of this process.
 pub fn getegid() -> u32 {
-    // SAFETY: no arguments.
-    unsafe { libc::getegid() }
+    rustix::process::getegid().as_raw()
 }
 
 /// Exits at once without running destructors (the child half of a fork).
@@ -332,14 +336,9 @@ pub fn exit_now(code: i32) -> ! {
 
 /// `pidfd_open(2)`: a file descriptor that polls readable when `pid` exits.
 pub fn pidfd_open(pid: libc::pid_t) -> io::Result<std::os::fd::OwnedFd> {
-    use std::os::fd::FromRawFd;
-    // SAFETY: integer arguments; on success the kernel hands us a new fd we then own.
-    let r = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if r == -1 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(r as RawFd) })
-    }
+    let pid = rustix::process::Pid::from_raw(pid)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("pid {pid} names no one process")))?;
+    Ok(rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())?)
 }
 
 /// Whether the calling process's IPC namespace holds any System V shared-memory segment,
@@ -431,8 +430,7 @@ pub fn kill_and_reap_all(limit: std::time::Duration) -> bool {
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        // SAFETY: kill with integer arguments.
-        unsafe { libc::kill(-1, libc::SIGKILL) };
+        kill_all();
         killed = true;
     }
     true
@@ -489,17 +487,7 @@ struct ChildArgs<'a> {
 }
 
 fn pipe() -> io::Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)> {
-    use std::os::fd::FromRawFd;
-    let mut fds = [0; 2];
-    // SAFETY: out-pointer to a live two-element array; on success both fds are ours.
-    check(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) })?;
-    // SAFETY: fresh descriptors nobody else owns.
-    Ok(unsafe {
-        (
-            std::os::fd::OwnedFd::from_raw_fd(fds[0]),
-            std::os::fd::OwnedFd::from_raw_fd(fds[1]),
-        )
-    })
+    Ok(rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?)
 }
 
 /// Installs a seccomp filter on the calling thread only (no `TSYNC`): what that thread
@@ -513,8 +501,9 @@ pub fn install_thread_seccomp(filter: &[libc::sock_filter]) -> io::Result<()> {
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "seccomp program too long"))?,
         filter: filter.as_ptr().cast_mut(),
     };
-    // SAFETY: prctl with integer arguments and a pointer to a live program.
-    check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })?;
+    rustix::thread::set_no_new_privs(true)?;
+    // SAFETY: prctl with integer arguments and a pointer to a live program (rustix has no
+    // seccomp wrapper).
     check(unsafe {
         libc::prctl(
             libc::PR_SET_SECCOMP,
