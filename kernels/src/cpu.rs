@@ -174,7 +174,7 @@ impl<'a> View<'a> {
     }
 }
 
-/// The mutable counterpart of [`View`], the destination of [`gemm`].
+/// The mutable counterpart of [`View`], the destination of [`gemm()`].
 #[derive(Debug)]
 pub struct ViewMut<'a> {
     /// The elements, from the view's first.

@@ -1,7 +1,7 @@
 //! Hot numeric kernels for streamrl: a CPU reference implementation of every kernel, and
 //! CUDA versions of the RL hot path (`cuda/rl.cu`: selective log-softmax with entropy and
 //! its backward, the masked IS loss, AdamW) behind the `cuda` feature, compiled to PTX at
-//! build time ([`RL_PTX`]) and launched by `streamrl_model` through candle's CUDA device,
+//! build time (`RL_PTX`, with the `cuda` feature) and launched by `streamrl_model` through candle's CUDA device,
 //! so that every build and every test works without a GPU.
 //!
 //! [`cpu`] holds the CPU kernels of the inference forward (matrix products through the

@@ -193,7 +193,7 @@ impl SandboxConfig {
     /// The init this configuration runs, as a program and the arguments before the
     /// configuration: [`init`](SandboxConfig::init) when set, else `$STREAMRL_SANDBOX_INIT`,
     /// else this executable itself when it embeds the init
-    /// ([`init::run_if_invoked`](crate::init::run_if_invoked)), else a
+    /// ([`init::run_if_invoked`]), else a
     /// `streamrl-sandbox-init` next to the running executable or one directory up (test
     /// binaries live in `deps/`).
     pub fn init_command(&self) -> Result<(PathBuf, Vec<&'static str>), Error> {

@@ -1,5 +1,5 @@
 //! Answers: a checked request's choices run on the engine thread and come back as one
-//! typed [`openai`] answer or as a stream of chunks.
+//! typed [`openai`](streamrl_model::openai) answer or as a stream of chunks.
 
 use std::sync::Arc;
 
