@@ -240,138 +240,35 @@ pub async fn run_stage(
     shutdown: Shutdown,
     metrics: Arc<StageMetrics>,
 ) -> Result<()> {
-    let instance = cfg.instance();
-    let producer = bus.producer(&instance).await?;
-    let names: Vec<String> = cfg.inputs.iter().map(|t| t.name.clone()).collect();
-    let mut consumer = if names.is_empty() {
-        None
-    } else {
-        Some(bus.subscribe_as(&cfg.stage, &instance, &names).await?)
-    };
-    // (reader, whether its messages go to the stage): broadcast inputs, then the control
-    // topic when it is not one of them (its data is not the stage's business).
-    let mut broadcasts: Vec<(Box<dyn Consumer>, bool)> = Vec::new();
-    for b in &cfg.broadcast {
-        broadcasts.push((bus.broadcast(&b.name).await?, true));
-    }
-    if let Some(c) = cfg
-        .control
-        .as_ref()
-        .filter(|c| !cfg.broadcast.iter().any(|b| &&b.name == c))
-    {
-        broadcasts.push((bus.broadcast(c).await?, false));
-    }
-    let mut runner = Runner {
-        producer,
-        cfg: cfg.clone(),
-        instance,
-        metrics,
-        schemas: cfg
-            .inputs
-            .iter()
-            .chain(&cfg.broadcast)
-            .map(|t| (t.name.clone(), t.schema))
-            .collect(),
-        outputs: cfg.outputs.iter().map(|t| (t.name.clone(), t.clone())).collect(),
-        policy_version: None,
-        traceparent: None,
-        groups: GroupTraces::default(),
-        instruments: crate::instruments::Instruments::new(&cfg.stage, cfg.replica),
-    };
+    let (mut consumer, mut broadcasts) = open_inputs(&bus, &cfg).await?;
+    let mut runner = Runner::new(bus.producer(&cfg.instance()).await?, &cfg, metrics);
     // Exported metrics only: the replica's counters, and its input lag sampled while it runs.
     if crate::telemetry::metrics_enabled() {
         runner.instruments.observe(&runner.metrics);
     }
-    let lag_sampler = (crate::telemetry::metrics_enabled() && !cfg.inputs.is_empty()).then(|| {
-        let (bus, cfg, instruments) = (bus.clone(), cfg.clone(), runner.instruments.clone());
-        tokio::spawn(async move {
-            let mut every = tokio::time::interval(LAG_SAMPLE_INTERVAL);
-            loop {
-                every.tick().await;
-                if let Some(lag) = input_lag(&bus, &cfg).await {
-                    instruments.lag(lag);
-                }
-            }
-        })
-    });
-    let _stop_sampling = AbortOnDrop(lag_sampler);
+    let _stop_sampling = AbortOnDrop(sample_lag(&bus, &cfg, &runner.instruments));
     let mut out = Emitter::default();
-    let state_file = cfg
-        .state_dir
-        .as_ref()
-        .map(|d| d.join(format!("{}.state", cfg.instance())));
-    if let Some(path) = state_file.as_ref().filter(|p| p.exists()) {
-        let bytes = std::fs::read(path).map_err(|e| crate::Error::Io {
-            op: "reading stage state",
-            path: path.display().to_string(),
-            source: e,
-        })?;
-        stage.restore(&bytes).map_err(|e| crate::Error::Stage {
-            stage: format!("{} (restore from {})", runner.instance, path.display()),
-            source: e,
-        })?;
-        tracing::info!(stage = %runner.instance, bytes = bytes.len() as i64, "restored state");
-    }
-    let mut acks = Acks {
-        held: Vec::new(),
-        deferred: Vec::new(),
-        state_file: state_file.filter(|_| stage.snapshot().is_some()),
-        written: None,
-    };
+    let state_file = restore_state(&cfg, stage.as_mut())?;
+    let mut acks = Acks::new(state_file.filter(|_| stage.snapshot().is_some()));
+    let (o, st, a) = (&mut out, &mut stage, &mut acks);
     runner
-        .stage_call(&mut out, "start", |s, o| Box::pin(s.start(o)), &mut stage)
+        .hook(o, st, a, consumer.as_mut(), "start", |s, o| Box::pin(s.start(o)))
         .await?;
-    runner.deliver(&mut out).await?;
-    acks.settle(consumer.as_mut(), &mut stage, None, out.take_flags())?;
 
     tracing::info!(stage = %runner.instance, "running");
-    let mut tick = stage.tick_interval().map(|d| {
-        let mut i = tokio::time::interval(d);
-        i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        i
-    });
-    // Set once the run has ended in-band, for a draining stage: when it last got a message,
-    // and when the drain began.
-    let mut draining_since: Option<tokio::time::Instant> = None;
-    let mut drain_began = tokio::time::Instant::now();
+    let mut tick = stage.tick_interval().map(ticker);
+    let mut drain = Drain::default();
     loop {
         if tick.is_none() && !stage.ready() {
-            return Err(crate::Error::Stage {
-                stage: runner.instance.clone(),
-                source: StageError::internal(
-                    "the stage takes no input (`ready` is false) and has no tick to work off what it holds",
-                ),
-            });
+            return Err(stuck(&runner.instance));
         }
-        let drained = async {
-            match (draining_since, cfg.drain_on_end) {
-                (Some(t), Some(d)) => tokio::time::sleep_until(t + d).await,
-                _ => std::future::pending().await,
-            }
-        };
         let next = tokio::select! {
             biased;
             _ = shutdown.wait() => break,
-            _ = drained => {
-                // Quiet for a while: done if the group has also committed everything there
-                // is (a consumer stuck after a broker outage is quiet too).
-                let lag = input_lag(&bus, &cfg).await;
-                if lag == Some(0) {
-                    tracing::info!(stage = %runner.instance, "run ended: inputs drained");
+            _ = drain.quiet(cfg.drain_on_end) => {
+                if drain.inputs_drained(&bus, &cfg).await? {
                     break;
                 }
-                if drain_began.elapsed() > MAX_DRAIN {
-                    return Err(crate::Error::Stage {
-                        stage: runner.instance.clone(),
-                        source: StageError::internal(format!(
-                            "the run ended, but {} input record(s) were still not consumed after {MAX_DRAIN:?} \
-                             (exiting so that a restart reads them)",
-                            lag.map_or("some".to_string(), |l| l.to_string())
-                        )),
-                    });
-                }
-                tracing::info!(stage = %runner.instance, lag = lag.map(|l| l as i64), "run ended: waiting for inputs");
-                draining_since = Some(tokio::time::Instant::now());
                 continue;
             }
             (m, i) = recv_any(&mut broadcasts) => Some((m, Some(i))),
@@ -381,11 +278,10 @@ pub async fn run_stage(
         };
         let ended = match next {
             None => {
+                let (o, st, a) = (&mut out, &mut stage, &mut acks);
                 runner
-                    .stage_call(&mut out, "tick", |s, o| Box::pin(s.tick(o)), &mut stage)
+                    .hook(o, st, a, consumer.as_mut(), "tick", |s, o| Box::pin(s.tick(o)))
                     .await?;
-                runner.deliver(&mut out).await?;
-                acks.settle(consumer.as_mut(), &mut stage, None, out.take_flags())?;
                 false
             }
             Some((msg, from)) => {
@@ -398,40 +294,179 @@ pub async fn run_stage(
                     let input = from.is_none().then_some(id);
                     acks.settle(consumer.as_mut(), &mut stage, input, out.take_flags())?;
                 }
-                if draining_since.is_some() {
-                    draining_since = Some(tokio::time::Instant::now());
-                }
+                drain.heard();
                 ended
             }
         };
-        if ended && draining_since.is_none() {
-            tracing::info!(stage = %runner.instance, "end of run signalled");
-            match cfg.drain_on_end {
-                Some(_) => {
-                    draining_since = Some(tokio::time::Instant::now());
-                    drain_began = tokio::time::Instant::now();
-                }
-                None => break,
-            }
+        if ended && !drain.ended(&cfg) {
+            break;
         }
     }
+    let (o, st, a) = (&mut out, &mut stage, &mut acks);
     runner
-        .stage_call(&mut out, "close", |s, o| Box::pin(s.close(o)), &mut stage)
+        .hook(o, st, a, consumer.as_mut(), "close", |s, o| Box::pin(s.close(o)))
         .await?;
-    runner.deliver(&mut out).await?;
-    acks.settle(consumer.as_mut(), &mut stage, None, out.take_flags())?;
     if !acks.held.is_empty() || !acks.deferred.is_empty() {
         tracing::info!(stage = %runner.instance, held = acks.held.len() + acks.deferred.len(), "inputs still held at shutdown stay unacknowledged and will be redelivered");
     }
     runner.producer.flush().await?;
-    if let Some(c) = consumer {
+    for c in consumer.into_iter().chain(broadcasts.into_iter().map(|(b, _)| b)) {
         c.close().await?;
-    }
-    for (b, _) in broadcasts {
-        b.close().await?;
     }
     tracing::info!(stage = %runner.instance, "stopped cleanly");
     Ok(())
+}
+
+/// Ticks every `every`; a late tick is delayed, not made up for.
+fn ticker(every: Duration) -> tokio::time::Interval {
+    let mut i = tokio::time::interval(every);
+    i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    i
+}
+
+/// A stage that takes no input and has no tick can never make progress.
+fn stuck(instance: &str) -> crate::Error {
+    crate::Error::Stage {
+        stage: instance.to_string(),
+        source: StageError::internal(
+            "the stage takes no input (`ready` is false) and has no tick to work off what it holds",
+        ),
+    }
+}
+
+/// Where a replica stands in draining its inputs after the run has ended in-band.
+#[derive(Debug, Default)]
+struct Drain {
+    /// Set once the run has ended, for a draining stage: when it last got a message.
+    since: Option<tokio::time::Instant>,
+    /// When the drain began.
+    began: Option<tokio::time::Instant>,
+}
+
+impl Drain {
+    /// Resolves once a draining stage has been quiet for `drain_on_end` (never before the
+    /// run has ended, nor for a stage that does not drain).
+    async fn quiet(&self, drain_on_end: Option<Duration>) {
+        match (self.since, drain_on_end) {
+            (Some(t), Some(d)) => tokio::time::sleep_until(t + d).await,
+            _ => std::future::pending().await,
+        }
+    }
+
+    /// A message arrived: a draining stage is not quiet yet.
+    fn heard(&mut self) {
+        if self.since.is_some() {
+            self.since = Some(tokio::time::Instant::now());
+        }
+    }
+
+    /// The end of the run was signalled; whether the replica goes on (to drain its inputs)
+    /// rather than stop now.
+    fn ended(&mut self, cfg: &RunnerConfig) -> bool {
+        if self.since.is_some() {
+            return true;
+        }
+        tracing::info!(stage = %cfg.instance(), "end of run signalled");
+        cfg.drain_on_end.is_some_and(|_| {
+            let now = tokio::time::Instant::now();
+            (self.since, self.began) = (Some(now), Some(now));
+            true
+        })
+    }
+
+    /// Quiet for a while: done if the group has also committed everything there is (a
+    /// consumer stuck after a broker outage is quiet too); an error once that has taken
+    /// longer than [`MAX_DRAIN`].
+    async fn inputs_drained(&mut self, bus: &Arc<dyn Bus>, cfg: &RunnerConfig) -> Result<bool> {
+        let lag = input_lag(bus, cfg).await;
+        if lag == Some(0) {
+            tracing::info!(stage = %cfg.instance(), "run ended: inputs drained");
+            return Ok(true);
+        }
+        if self.began.is_some_and(|b| b.elapsed() > MAX_DRAIN) {
+            return Err(crate::Error::Stage {
+                stage: cfg.instance(),
+                source: StageError::internal(format!(
+                    "the run ended, but {} input record(s) were still not consumed after {MAX_DRAIN:?} \
+                     (exiting so that a restart reads them)",
+                    lag.map_or("some".to_string(), |l| l.to_string())
+                )),
+            });
+        }
+        tracing::info!(stage = %cfg.instance(), lag = lag.map(|l| l as i64), "run ended: waiting for inputs");
+        self.since = Some(tokio::time::Instant::now());
+        Ok(false)
+    }
+}
+
+/// A replica's readers: its group subscription to the data inputs (none without inputs),
+/// and `(reader, whether its messages go to the stage)` for the broadcast inputs, then the
+/// control topic when it is not one of them (its data is not the stage's business).
+async fn open_inputs(
+    bus: &Arc<dyn Bus>,
+    cfg: &RunnerConfig,
+) -> Result<(Option<Box<dyn Consumer>>, Vec<(Box<dyn Consumer>, bool)>)> {
+    let names: Vec<String> = cfg.inputs.iter().map(|t| t.name.clone()).collect();
+    let consumer = if names.is_empty() {
+        None
+    } else {
+        Some(bus.subscribe_as(&cfg.stage, &cfg.instance(), &names).await?)
+    };
+    let mut broadcasts: Vec<(Box<dyn Consumer>, bool)> = Vec::new();
+    for b in &cfg.broadcast {
+        broadcasts.push((bus.broadcast(&b.name).await?, true));
+    }
+    if let Some(c) = cfg
+        .control
+        .as_ref()
+        .filter(|c| !cfg.broadcast.iter().any(|b| &&b.name == c))
+    {
+        broadcasts.push((bus.broadcast(c).await?, false));
+    }
+    Ok((consumer, broadcasts))
+}
+
+/// Samples the replica's input lag into the `streamrl.stage.lag` gauge every
+/// [`LAG_SAMPLE_INTERVAL`], when metrics are exported and it has inputs.
+fn sample_lag(
+    bus: &Arc<dyn Bus>,
+    cfg: &RunnerConfig,
+    instruments: &crate::instruments::Instruments,
+) -> Option<tokio::task::JoinHandle<()>> {
+    (crate::telemetry::metrics_enabled() && !cfg.inputs.is_empty()).then(|| {
+        let (bus, cfg, instruments) = (bus.clone(), cfg.clone(), instruments.clone());
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(LAG_SAMPLE_INTERVAL);
+            loop {
+                every.tick().await;
+                if let Some(lag) = input_lag(&bus, &cfg).await {
+                    instruments.lag(lag);
+                }
+            }
+        })
+    })
+}
+
+/// Restores the stage from its state file when there is one; returns where the file is
+/// (`None` without a state directory).
+fn restore_state(cfg: &RunnerConfig, stage: &mut dyn Stage) -> Result<Option<std::path::PathBuf>> {
+    let state_file = cfg
+        .state_dir
+        .as_ref()
+        .map(|d| d.join(format!("{}.state", cfg.instance())));
+    if let Some(path) = state_file.as_ref().filter(|p| p.exists()) {
+        let bytes = std::fs::read(path).map_err(|e| crate::Error::Io {
+            op: "reading stage state",
+            path: path.display().to_string(),
+            source: e,
+        })?;
+        stage.restore(&bytes).map_err(|e| crate::Error::Stage {
+            stage: format!("{} (restore from {})", cfg.instance(), path.display()),
+            source: e,
+        })?;
+        tracing::info!(stage = %cfg.instance(), bytes = bytes.len() as i64, "restored state");
+    }
+    Ok(state_file)
 }
 
 /// How often a replica samples its input lag for the `streamrl.stage.lag` gauge.
@@ -484,6 +519,16 @@ struct Acks {
 }
 
 impl Acks {
+    /// Nothing held yet; the stage's state goes to `state_file` (if it keeps state).
+    fn new(state_file: Option<std::path::PathBuf>) -> Self {
+        Acks {
+            held: Vec::new(),
+            deferred: Vec::new(),
+            state_file,
+            written: None,
+        }
+    }
+
     /// Called after a call's outputs are delivered: acknowledges `input` unless the stage
     /// holds it, then whatever the stage released (everything held, or the inputs held
     /// under given keys). A stage with persisted state has its snapshot written first, and
@@ -650,7 +695,46 @@ impl GroupTraces {
 }
 
 impl Runner {
+    fn new(producer: Arc<dyn Producer>, cfg: &RunnerConfig, metrics: Arc<StageMetrics>) -> Self {
+        Runner {
+            producer,
+            cfg: cfg.clone(),
+            instance: cfg.instance(),
+            metrics,
+            schemas: cfg
+                .inputs
+                .iter()
+                .chain(&cfg.broadcast)
+                .map(|t| (t.name.clone(), t.schema))
+                .collect(),
+            outputs: cfg.outputs.iter().map(|t| (t.name.clone(), t.clone())).collect(),
+            policy_version: None,
+            traceparent: None,
+            groups: GroupTraces::default(),
+            instruments: crate::instruments::Instruments::new(&cfg.stage, cfg.replica),
+        }
+    }
+
     /// Calls a stage hook, retrying retryable errors with backoff.
+    /// Calls one of the stage's hooks (`start`, `tick`, `close`) with retries, delivers what
+    /// it emitted, then settles acknowledgements.
+    async fn hook<F>(
+        &mut self,
+        out: &mut Emitter,
+        stage: &mut Box<dyn Stage>,
+        acks: &mut Acks,
+        consumer: Option<&mut Box<dyn Consumer>>,
+        what: &str,
+        f: F,
+    ) -> Result<()>
+    where
+        F: for<'a> Fn(&'a mut dyn Stage, &'a mut Emitter) -> StageFuture<'a>,
+    {
+        self.stage_call(out, what, f, stage).await?;
+        self.deliver(out).await?;
+        acks.settle(consumer, stage, None, out.take_flags())
+    }
+
     async fn stage_call<F>(&self, out: &mut Emitter, what: &str, f: F, stage: &mut Box<dyn Stage>) -> Result<()>
     where
         F: for<'a> Fn(&'a mut dyn Stage, &'a mut Emitter) -> StageFuture<'a>,
