@@ -97,53 +97,106 @@ struct Replica {
 }
 
 impl Replica {
+    /// Replica `replica` of `stage`, due to start now.
+    fn new(stage: &str, replica: u32) -> Self {
+        Replica {
+            stage: stage.to_string(),
+            replica,
+            child: None,
+            started: Instant::now(),
+            restart_at: Some(Instant::now()),
+            backoff: FIRST_BACKOFF,
+            quick_failures: 0,
+            starts: 0,
+            finished: false,
+        }
+    }
+
     fn instance(&self) -> String {
         format!("{}-{}", self.stage, self.replica)
     }
+
+    /// Its process ended with `status`: finished (exit 0), or due for a restart after its
+    /// backoff; `Err` with the cause once it keeps failing by itself.
+    fn exited(&mut self, status: std::process::ExitStatus, log: &Path) -> Result<(), String> {
+        self.child = None;
+        let ran = self.started.elapsed();
+        if status.success() {
+            self.finished = true;
+            eprintln!("up: {} finished (the run ended)", self.instance());
+            return Ok(());
+        }
+        // Only a process that fails by itself, soon after starting, counts towards giving
+        // up (a configuration or environment problem a restart will not fix) or slows its
+        // own restarts down; one killed from outside (SIGKILL: an operator, the OOM
+        // killer) always comes back at once.
+        let killed = std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL);
+        if ran >= HEALTHY_AFTER || killed {
+            self.backoff = FIRST_BACKOFF;
+        }
+        self.quick_failures = if ran < QUICK && !killed {
+            self.quick_failures + 1
+        } else {
+            0
+        };
+        let cause = describe(status);
+        if self.quick_failures >= MAX_QUICK_FAILURES {
+            return Err(format!(
+                "{} failed {MAX_QUICK_FAILURES} times in a row within {QUICK:?} of starting (last: {cause}); see {}",
+                self.instance(),
+                log.display()
+            ));
+        }
+        eprintln!(
+            "up: {} {cause} after {:.1} s; restarting in {:?}",
+            self.instance(),
+            ran.as_secs_f64(),
+            self.backoff
+        );
+        self.restart_at = Some(Instant::now() + self.backoff);
+        if !killed {
+            self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+        }
+        Ok(())
+    }
+
+    /// Starts its process when it is due; whether it did.
+    fn start_if_due(&mut self, launcher: &Launcher<'_>) -> Result<bool> {
+        if self.child.is_some() || self.finished || self.restart_at.is_none_or(|at| Instant::now() < at) {
+            return Ok(false);
+        }
+        self.child = Some(launcher.spawn(self)?);
+        self.starts += 1;
+        self.started = Instant::now();
+        self.restart_at = None;
+        Ok(true)
+    }
 }
 
-/// Runs every replica of `t` as its own process until the run ends (or a signal).
-pub async fn up(t: &Topology, topology: &Path, bus_url: &str) -> Result<()> {
-    if bus_url.starts_with("memory://") {
-        bail!(
-            "`streamrl up` runs each stage as its own process, which needs a bus they share: pass \
-             --bus kafka://HOST:PORT (or use `streamrl run` for the in-process memory bus)"
-        );
+/// How `up` starts a replica's process: `streamrl stage` of this binary, on the same
+/// topology (and `--set` overrides) and bus, its output appended to its log.
+struct Launcher<'a> {
+    exe: PathBuf,
+    logs: PathBuf,
+    topology: &'a Path,
+    bus_url: &'a str,
+}
+
+impl Launcher<'_> {
+    /// The log file of a replica.
+    fn log(&self, r: &Replica) -> PathBuf {
+        self.logs.join(format!("{}.log", r.instance()))
     }
-    let bus = streamrl_runtime::bus::connect(bus_url).await?;
-    streamrl_runtime::running::create_topics(&bus, t).await?;
-    drop(bus);
-    let logs = t.run_dir.join("logs");
-    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
-    let exe = std::env::current_exe().context("locating the streamrl binary")?;
-    let shutdown = Shutdown::new();
-    shutdown.on_signals();
-    let mut replicas: Vec<Replica> = t
-        .stages
-        .iter()
-        .flat_map(|(name, d)| {
-            (0..d.replicas).map(move |r| Replica {
-                stage: name.clone(),
-                replica: r,
-                child: None,
-                started: Instant::now(),
-                restart_at: Some(Instant::now()),
-                backoff: FIRST_BACKOFF,
-                quick_failures: 0,
-                starts: 0,
-                finished: false,
-            })
-        })
-        .collect();
-    let spawn = |r: &Replica| -> Result<Child> {
-        let log = logs.join(format!("{}.log", r.instance()));
+
+    fn spawn(&self, r: &Replica) -> Result<Child> {
+        let log = self.log(r);
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&log)
             .with_context(|| format!("opening {}", log.display()))?;
         let err = file.try_clone()?;
-        let mut cmd = Command::new(&exe);
+        let mut cmd = Command::new(&self.exe);
         // SAFETY: prctl(2) in the child between fork and exec touches no memory of the
         // parent and allocates nothing (async-signal-safe).
         #[allow(unsafe_code)]
@@ -163,9 +216,9 @@ pub async fn up(t: &Topology, topology: &Path, bus_url: &str) -> Result<()> {
             .arg("--replica")
             .arg(r.replica.to_string())
             .arg("--bus")
-            .arg(bus_url)
+            .arg(self.bus_url)
             .arg("--topology")
-            .arg(topology)
+            .arg(self.topology)
             // The same topology as this process's: its `--set` overrides too.
             .env("STREAMRL_SET", super::overrides().join("\n"))
             .stdin(Stdio::null())
@@ -173,88 +226,45 @@ pub async fn up(t: &Topology, topology: &Path, bus_url: &str) -> Result<()> {
             .stderr(err)
             .spawn()
             .with_context(|| format!("starting {}", r.instance()))
+    }
+}
+
+/// Runs every replica of `t` as its own process until the run ends (or a signal).
+pub async fn up(t: &Topology, topology: &Path, bus_url: &str) -> Result<()> {
+    if bus_url.starts_with("memory://") {
+        bail!(
+            "`streamrl up` runs each stage as its own process, which needs a bus they share: pass \
+             --bus kafka://HOST:PORT (or use `streamrl run` for the in-process memory bus)"
+        );
+    }
+    let bus = streamrl_runtime::bus::connect(bus_url).await?;
+    streamrl_runtime::running::create_topics(&bus, t).await?;
+    drop(bus);
+    let launcher = Launcher {
+        exe: std::env::current_exe().context("locating the streamrl binary")?,
+        logs: t.run_dir.join("logs"),
+        topology,
+        bus_url,
     };
+    std::fs::create_dir_all(&launcher.logs).with_context(|| format!("creating {}", launcher.logs.display()))?;
+    let shutdown = Shutdown::new();
+    shutdown.on_signals();
+    let mut replicas: Vec<Replica> = t
+        .stages
+        .iter()
+        .flat_map(|(name, d)| (0..d.replicas).map(move |r| Replica::new(name, r)))
+        .collect();
     eprintln!(
         "up: {} replica(s) of {} stage(s) on {bus_url}; logs in {}",
         replicas.len(),
         t.stages.len(),
-        logs.display()
+        launcher.logs.display()
     );
-    let mut failure: Option<String> = None;
-    loop {
-        if shutdown.is_triggered() {
-            break;
-        }
-        let mut changed = false;
-        for r in replicas.iter_mut() {
-            if let Some(child) = r.child.as_mut()
-                && let Some(status) = child.try_wait()?
-            {
-                r.child = None;
-                changed = true;
-                let ran = r.started.elapsed();
-                if status.success() {
-                    r.finished = true;
-                    eprintln!("up: {} finished (the run ended)", r.instance());
-                    continue;
-                }
-                // Only a process that fails by itself, soon after starting, counts towards
-                // giving up (a configuration or environment problem a restart will not fix)
-                // or slows its own restarts down; one killed from outside (SIGKILL: an
-                // operator, the OOM killer) always comes back at once.
-                let killed = std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL);
-                if ran >= HEALTHY_AFTER || killed {
-                    r.backoff = FIRST_BACKOFF;
-                }
-                r.quick_failures = if ran < QUICK && !killed {
-                    r.quick_failures + 1
-                } else {
-                    0
-                };
-                let cause = describe(status);
-                if r.quick_failures >= MAX_QUICK_FAILURES {
-                    failure = Some(format!(
-                        "{} failed {MAX_QUICK_FAILURES} times in a row within {QUICK:?} of starting (last: {cause}); see {}",
-                        r.instance(),
-                        logs.join(format!("{}.log", r.instance())).display()
-                    ));
-                    break;
-                }
-                eprintln!(
-                    "up: {} {cause} after {:.1} s; restarting in {:?}",
-                    r.instance(),
-                    ran.as_secs_f64(),
-                    r.backoff
-                );
-                r.restart_at = Some(Instant::now() + r.backoff);
-                if !killed {
-                    r.backoff = (r.backoff * 2).min(MAX_BACKOFF);
-                }
-            }
-            if r.child.is_none()
-                && !r.finished
-                && let Some(at) = r.restart_at
-                && Instant::now() >= at
-            {
-                r.child = Some(spawn(r)?);
-                r.starts += 1;
-                r.started = Instant::now();
-                r.restart_at = None;
-                changed = true;
-            }
-        }
-        if failure.is_some() {
-            break;
-        }
-        if changed {
-            write_state(&t.run_dir, &replicas)?;
-        }
-        if replicas.iter().all(|r| r.finished) {
-            eprintln!("up: every replica finished: the run is over");
-            let _ = std::fs::remove_file(state_path(&t.run_dir));
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let failure = supervise(&mut replicas, &launcher, &shutdown, &t.run_dir).await?;
+    if failure.is_none() && replicas.iter().all(|r| r.finished) {
+        eprintln!("up: every replica finished: the run is over");
+        let _ = std::fs::remove_file(state_path(&t.run_dir));
+        return Ok(());
     }
     // A signal (or `down`), or a replica that keeps failing: stop the rest gracefully.
     stop_all(&mut replicas).await;
@@ -266,6 +276,38 @@ pub async fn up(t: &Topology, topology: &Path, bus_url: &str) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// Restarts replicas as they die until every one has finished, a signal arrives, or one
+/// keeps failing (its cause returned); `up.json` follows every change.
+async fn supervise(
+    replicas: &mut [Replica],
+    launcher: &Launcher<'_>,
+    shutdown: &Shutdown,
+    run_dir: &Path,
+) -> Result<Option<String>> {
+    while !shutdown.is_triggered() {
+        let mut changed = false;
+        for r in replicas.iter_mut() {
+            if let Some(child) = r.child.as_mut()
+                && let Some(status) = child.try_wait()?
+            {
+                changed = true;
+                if let Err(cause) = r.exited(status, &launcher.log(r)) {
+                    return Ok(Some(cause));
+                }
+            }
+            changed |= r.start_if_due(launcher)?;
+        }
+        if changed {
+            write_state(run_dir, replicas)?;
+        }
+        if replicas.iter().all(|r| r.finished) {
+            return Ok(None);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(None)
 }
 
 /// SIGTERM to every running replica, then waits (SIGKILL after 60 s).
