@@ -14,24 +14,8 @@ use serde_json::Value;
 
 use crate::engine::{MAX_TOP_LOGPROBS, SamplingParams};
 
-/// A problem with one field: the message and the field's path (`param` in the answer).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Problem {
-    /// What is wrong, naming the value.
-    pub message: String,
-    /// The field, e.g. `max_tokens` or `messages[0].content`.
-    pub param: String,
-}
-
-impl Problem {
-    /// A problem with field `param`.
-    pub fn new(param: impl Into<String>, message: impl Into<String>) -> Self {
-        Problem {
-            message: message.into(),
-            param: param.into(),
-        }
-    }
-}
+/// A problem with one field of a request: its path is the answer's `param`.
+pub use streamrl_schemas::Problem;
 
 /// `stream_options`.
 #[derive(Debug, Default, Clone, PartialEq, Deserialize, Serialize)]
@@ -303,6 +287,54 @@ impl Request {
         default_max: usize,
     ) -> Result<Checked, Vec<Problem>> {
         let mut p = Vec::new();
+        let (n, temperature, top_p, top_k) = self.sampling(&mut p);
+        let echo = self.echo.unwrap_or(false);
+        if chat && self.echo.is_some() {
+            p.push(Problem::new("echo", "`echo` is a completions parameter"));
+        }
+        let max = self.max_new_tokens(echo, prompt_len, context, default_max, &mut p);
+        let stop = match &self.stop {
+            None => vec![],
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        if stop.iter().any(String::is_empty) {
+            p.push(Problem::new("stop", "stop strings must not be empty"));
+        }
+        let logprobs = self.logprobs(chat, &mut p);
+        self.unsupported(n, &mut p);
+        let stream = self.stream.unwrap_or(false);
+        if self.stream_options.is_some() && !stream {
+            p.push(Problem::new("stream_options", "`stream_options` needs `stream: true`"));
+        }
+        if !p.is_empty() {
+            return Err(p);
+        }
+        Ok(Checked {
+            n: n as usize,
+            temperature: temperature as f32,
+            top_p: top_p as f32,
+            top_k,
+            max_tokens: max as usize,
+            stop,
+            keep_stop: self.include_stop_str_in_output.unwrap_or(false),
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
+            seed: self.seed.map(|s| s.0),
+            stream,
+            include_usage: self
+                .stream_options
+                .as_ref()
+                .and_then(|o| o.include_usage)
+                .unwrap_or(false),
+            logprobs: logprobs.map(|k| k as usize),
+            echo,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            token_ids: self.return_tokens_as_token_ids.unwrap_or(false),
+        })
+    }
+
+    /// `n`, `temperature`, `top_p` and `top_k` (0: off), each checked.
+    fn sampling(&self, p: &mut Vec<Problem>) -> (u64, f64, f64, usize) {
         let n = self.n.unwrap_or(1);
         if !(1..=128).contains(&n) {
             p.push(Problem::new("n", format!("`n` must be in 1..=128, got {n}")));
@@ -329,10 +361,19 @@ impl Request {
                 0
             }
         };
-        let echo = self.echo.unwrap_or(false);
-        if chat && self.echo.is_some() {
-            p.push(Problem::new("echo", "`echo` is a completions parameter"));
-        }
+        (n, temperature, top_p, top_k)
+    }
+
+    /// The most new tokens (`max_completion_tokens`, else `max_tokens`, else `default_max`),
+    /// checked against the context.
+    fn max_new_tokens(
+        &self,
+        echo: bool,
+        prompt_len: usize,
+        context: usize,
+        default_max: usize,
+        p: &mut Vec<Problem>,
+    ) -> u64 {
         let (max_param, max) = match (self.max_completion_tokens, self.max_tokens) {
             (Some(m), _) => ("max_completion_tokens", m),
             (None, Some(m)) => ("max_tokens", m),
@@ -352,14 +393,12 @@ impl Request {
                 ),
             ));
         }
-        let stop = match &self.stop {
-            None => vec![],
-            Some(Stop::One(s)) => vec![s.clone()],
-            Some(Stop::Many(v)) => v.clone(),
-        };
-        if stop.iter().any(String::is_empty) {
-            p.push(Problem::new("stop", "stop strings must not be empty"));
-        }
+        max
+    }
+
+    /// How many alternatives to report per token (`None`: no logprobs), read the chat way
+    /// (`logprobs: true` + `top_logprobs`) or the completions way (`logprobs: N`).
+    fn logprobs(&self, chat: bool, p: &mut Vec<Problem>) -> Option<u64> {
         let logprobs = match (chat, self.logprobs, self.top_logprobs) {
             (true, Some(Logprobs::Count(_)), _) => {
                 p.push(Problem::new(
@@ -392,6 +431,11 @@ impl Request {
                 format!("`{param}` must be at most {MAX_TOP_LOGPROBS}, got {k}"),
             ));
         }
+        logprobs
+    }
+
+    /// Parameters streamrl refuses rather than ignores.
+    fn unsupported(&self, n: u64, p: &mut Vec<Problem>) {
         for (param, value, neutral) in [
             ("presence_penalty", self.presence_penalty, 0.0),
             ("frequency_penalty", self.frequency_penalty, 0.0),
@@ -430,34 +474,6 @@ impl Request {
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             p.push(Problem::new("suffix", "`suffix` is not supported"));
         }
-        let stream = self.stream.unwrap_or(false);
-        if self.stream_options.is_some() && !stream {
-            p.push(Problem::new("stream_options", "`stream_options` needs `stream: true`"));
-        }
-        if !p.is_empty() {
-            return Err(p);
-        }
-        Ok(Checked {
-            n: n as usize,
-            temperature: temperature as f32,
-            top_p: top_p as f32,
-            top_k,
-            max_tokens: max as usize,
-            stop,
-            keep_stop: self.include_stop_str_in_output.unwrap_or(false),
-            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
-            seed: self.seed.map(|s| s.0),
-            stream,
-            include_usage: self
-                .stream_options
-                .as_ref()
-                .and_then(|o| o.include_usage)
-                .unwrap_or(false),
-            logprobs: logprobs.map(|k| k as usize),
-            echo,
-            ignore_eos: self.ignore_eos.unwrap_or(false),
-            token_ids: self.return_tokens_as_token_ids.unwrap_or(false),
-        })
     }
 
     /// The completions prompt as token ids: a string is encoded with `encode`; token ids
@@ -633,7 +649,7 @@ mod tests {
             ),
         ] {
             let p = err(body);
-            assert_eq!(p.param, param, "{body}: {p:?}");
+            assert_eq!(p.path, param, "{body}: {p:?}");
             assert!(p.message.contains(&format!("`{param}`")), "{p:?}");
         }
         assert!(err("{not json").message.contains("not valid JSON"));
@@ -648,7 +664,7 @@ mod tests {
             true,
         )
         .unwrap_err();
-        let params: Vec<&str> = e.iter().map(|p| p.param.as_str()).collect();
+        let params: Vec<&str> = e.iter().map(|p| p.path.as_str()).collect();
         assert_eq!(
             params,
             [
@@ -667,10 +683,10 @@ mod tests {
         let e = check(r#"{"max_tokens": 18446744073709551615}"#, false).unwrap_err();
         assert!(e[0].message.contains("maximum context length is 128"), "{e:?}");
         let e = check(r#"{"logprobs": 21}"#, false).unwrap_err();
-        assert_eq!(e[0].param, "logprobs");
+        assert_eq!(e[0].path, "logprobs");
         let e = check(r#"{"logprobs": 3}"#, true).unwrap_err();
         assert!(e[0].message.contains("boolean in the chat API"), "{e:?}");
-        assert_eq!(check(r#"{"max_tokens": 0}"#, false).unwrap_err()[0].param, "max_tokens");
+        assert_eq!(check(r#"{"max_tokens": 0}"#, false).unwrap_err()[0].path, "max_tokens");
     }
 
     #[test]

@@ -71,7 +71,7 @@ fn bad(p: Problem) -> Box<Response> {
 /// A 400 listing every problem; `param` is the first one's field.
 fn refuse(p: Vec<Problem>) -> Response {
     let message = p.iter().map(|x| x.message.as_str()).collect::<Vec<_>>().join("; ");
-    let param = p.first().map(|x| x.param.as_str()).filter(|x| !x.is_empty());
+    let param = p.first().map(|x| x.path.as_str()).filter(|x| !x.is_empty());
     error(StatusCode::BAD_REQUEST, message, param)
 }
 
