@@ -236,17 +236,7 @@ impl Learner {
     pub fn step(&mut self, samples: &[TrainSample]) -> streamrl_model::Result<StepReport> {
         let t0 = Instant::now();
         let kind: LossKind = self.cfg.loss;
-        let ctx = self.model.config().max_positions;
-        for (i, s) in samples.iter().enumerate() {
-            if s.len() > ctx || s.loss_mask.len() != s.completion.len() {
-                return Err(streamrl_model::Error::Shape(format!(
-                    "sample {i}: {} tokens (context {ctx}), {} completion tokens, {} mask values",
-                    s.len(),
-                    s.completion.len(),
-                    s.loss_mask.len()
-                )));
-            }
-        }
+        check_shapes(samples, self.model.config().max_positions)?;
         let total_trainable: usize = samples.iter().map(|s| s.loss_mask.iter().filter(|m| **m).count()).sum();
         let lens: Vec<usize> = samples.iter().map(TrainSample::len).collect();
         let rows = pack_ffd(&lens, self.cfg.pack_len);
@@ -262,39 +252,16 @@ impl Learner {
         let denom = total_trainable.max(1) as f32;
         for mb in rows.chunks(rows_per_mb) {
             report.micro_batches += 1;
-            let seqs: Vec<Vec<Vec<u32>>> = mb
-                .iter()
-                .map(|r| {
-                    r.iter()
-                        .map(|&i| {
-                            samples[i]
-                                .prompt
-                                .iter()
-                                .chain(&samples[i].completion)
-                                .copied()
-                                .collect()
-                        })
-                        .collect()
-                })
-                .collect();
             let dev = self.model.device().clone();
-            let packed = Packed::new(&seqs, &dev)?;
-            let order: Vec<usize> = mb.iter().flatten().copied().collect();
-            let (mut idx, mut sampler, mut adv, mut mask, mut spans) = (vec![], vec![], vec![], vec![], vec![]);
-            let mut ent_mask = vec![0f32; packed.tokens.elem_count()];
-            for (&i, &(row, start, _len)) in order.iter().zip(&packed.spans) {
-                let s = &samples[i];
-                let base = row * packed.width + start + s.prompt.len();
-                spans.push((idx.len(), s.completion.len()));
-                for k in 0..s.completion.len() {
-                    idx.push((base + k) as u32);
-                    sampler.push(s.sampler_logprobs.get(k).copied().unwrap_or(0.0));
-                    adv.push(s.advantage);
-                    let m = if s.loss_mask[k] { 1.0 } else { 0.0 };
-                    mask.push(m);
-                    ent_mask[base + k] = m;
-                }
-            }
+            let MicroBatch {
+                packed,
+                idx,
+                sampler,
+                adv,
+                mask,
+                spans,
+                ent_mask,
+            } = MicroBatch::new(samples, mb, &dev)?;
             let mb_trainable: f32 = mask.iter().sum();
             if idx.is_empty() {
                 continue;
@@ -338,37 +305,39 @@ impl Learner {
             if let Some(worst) = moe.iter().map(|s| s.imbalance).reduce(f32::max) {
                 report.moe_imbalance = Some(report.moe_imbalance.map_or(worst, |w| w.max(worst)));
             }
-            let ent = masked_mean(&ent, &ent_mask)?;
-            report.loss += m.loss * w;
-            report.masked_low += m.masked_low * w;
-            report.masked_high += m.masked_high * w;
-            report.mismatch_kl += m.mismatch_kl * w;
-            report.max_logprob_diff = report.max_logprob_diff.max(m.max_abs_log_ratio);
-            report.clip_fraction += m.clip_fraction * w;
-            report.entropy += ent * w;
-            // Gradients accumulate in f32 whatever the weights' dtype.
-            let widen = self.model.dtype() != DType::F32;
-            grads = Some(match grads {
-                None if !widen => g,
-                acc => {
-                    let mut acc = match acc {
-                        Some(acc) => acc,
-                        None => empty_grads(&dev)?,
-                    };
-                    for var in self.vars.all_vars() {
-                        if let Some(new) = g.get(var.as_tensor()) {
-                            let new = new.to_dtype(DType::F32)?;
-                            let sum = match acc.get(var.as_tensor()) {
-                                Some(old) => (old + new)?,
-                                None => new,
-                            };
-                            acc.insert(var.as_tensor(), sum);
-                        }
-                    }
-                    acc
-                }
-            });
+            report.add(&m, masked_mean(&ent, &ent_mask)?, w);
+            grads = Some(self.accumulate(grads, g, &dev)?);
         }
+        self.apply(grads, &mut report)?;
+        report.seconds = t0.elapsed().as_secs_f64();
+        Ok(report)
+    }
+
+    /// Adds a micro-batch's gradients to the step's; they accumulate in f32 whatever the
+    /// weights' dtype.
+    fn accumulate(&self, acc: Option<GradStore>, g: GradStore, dev: &Device) -> streamrl_model::Result<GradStore> {
+        let widen = self.model.dtype() != DType::F32;
+        let mut acc = match acc {
+            None if !widen => return Ok(g),
+            Some(acc) => acc,
+            None => empty_grads(dev)?,
+        };
+        for var in self.vars.all_vars() {
+            if let Some(new) = g.get(var.as_tensor()) {
+                let new = new.to_dtype(DType::F32)?;
+                let sum = match acc.get(var.as_tensor()) {
+                    Some(old) => (old + new)?,
+                    None => new,
+                };
+                acc.insert(var.as_tensor(), sum);
+            }
+        }
+        Ok(acc)
+    }
+
+    /// The optimizer step on the accumulated gradients (skipped, and said so, on a
+    /// non-finite loss or gradient norm); records the learning rate and step.
+    fn apply(&mut self, grads: Option<GradStore>, report: &mut StepReport) -> streamrl_model::Result<()> {
         let lr = self.cfg.lr.lr(self.opt.steps());
         if !report.loss.is_finite() {
             tracing::warn!(loss = report.loss, "non-finite loss: optimizer step skipped");
@@ -386,8 +355,97 @@ impl Learner {
         }
         report.lr = lr;
         report.step = self.opt.steps();
-        report.seconds = t0.elapsed().as_secs_f64();
-        Ok(report)
+        Ok(())
+    }
+}
+
+/// Every sample fits the context and has one mask value per completion token.
+fn check_shapes(samples: &[TrainSample], ctx: usize) -> streamrl_model::Result<()> {
+    for (i, s) in samples.iter().enumerate() {
+        if s.len() > ctx || s.loss_mask.len() != s.completion.len() {
+            return Err(streamrl_model::Error::Shape(format!(
+                "sample {i}: {} tokens (context {ctx}), {} completion tokens, {} mask values",
+                s.len(),
+                s.completion.len(),
+                s.loss_mask.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// One micro-batch: its rows of packed samples, and per completion token (in packing
+/// order) where it sits in the packed batch, its sampler logprob, advantage and mask.
+struct MicroBatch {
+    packed: Packed,
+    /// Flat index of each completion token in the packed batch.
+    idx: Vec<u32>,
+    sampler: Vec<f32>,
+    adv: Vec<f32>,
+    mask: Vec<f32>,
+    /// `(first token, tokens)` of each sample's completion within the vectors above.
+    spans: Vec<(usize, usize)>,
+    /// The mask at each position of the packed batch (for the entropy's mean).
+    ent_mask: Vec<f32>,
+}
+
+impl MicroBatch {
+    /// Packs the rows `mb` (each a list of sample indices) of `samples`.
+    fn new(samples: &[TrainSample], mb: &[Vec<usize>], dev: &Device) -> streamrl_model::Result<Self> {
+        let seqs: Vec<Vec<Vec<u32>>> = mb
+            .iter()
+            .map(|r| {
+                r.iter()
+                    .map(|&i| {
+                        samples[i]
+                            .prompt
+                            .iter()
+                            .chain(&samples[i].completion)
+                            .copied()
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        let packed = Packed::new(&seqs, dev)?;
+        let order: Vec<usize> = mb.iter().flatten().copied().collect();
+        let mut b = MicroBatch {
+            idx: vec![],
+            sampler: vec![],
+            adv: vec![],
+            mask: vec![],
+            spans: vec![],
+            ent_mask: vec![0f32; packed.tokens.elem_count()],
+            packed,
+        };
+        for (&i, &(row, start, _len)) in order.iter().zip(&b.packed.spans) {
+            let s = &samples[i];
+            let base = row * b.packed.width + start + s.prompt.len();
+            b.spans.push((b.idx.len(), s.completion.len()));
+            for k in 0..s.completion.len() {
+                b.idx.push((base + k) as u32);
+                b.sampler.push(s.sampler_logprobs.get(k).copied().unwrap_or(0.0));
+                b.adv.push(s.advantage);
+                let m = if s.loss_mask[k] { 1.0 } else { 0.0 };
+                b.mask.push(m);
+                b.ent_mask[base + k] = m;
+            }
+        }
+        Ok(b)
+    }
+}
+
+impl StepReport {
+    /// Adds a micro-batch's loss metrics and entropy, weighted by `w` (its share of the
+    /// step's trainable tokens).
+    fn add(&mut self, m: &loss::LossMetrics, entropy: f32, w: f32) {
+        self.loss += m.loss * w;
+        self.masked_low += m.masked_low * w;
+        self.masked_high += m.masked_high * w;
+        self.mismatch_kl += m.mismatch_kl * w;
+        self.max_logprob_diff = self.max_logprob_diff.max(m.max_abs_log_ratio);
+        self.clip_fraction += m.clip_fraction * w;
+        self.entropy += entropy * w;
     }
 }
 

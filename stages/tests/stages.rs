@@ -542,17 +542,18 @@ async fn rollout_swaps_weights_mid_group_with_every_slot_full() {
     };
     let mut stage = RolloutStage::build(cfg, &ctx("rollout", dir.path(), &[("rollouts", SchemaId::Rollouts)])).unwrap();
     let mut out = Emitter::default();
+    // Long enough that one 1 ms slice cannot finish it (that would take a decode step
+    // every 5 µs), whatever the machine's speed.
+    const LEN: usize = 200;
     let long = PromptRow {
-        max_tokens: 48,
+        max_tokens: LEN as u32,
         ..prompt("g1", 2)
     };
     stage.process(input("prompts", &[long]), &mut out).await.unwrap();
     assert!(!stage.ready());
-    // A few decode steps on version 0.
-    for _ in 0..3 {
-        stage.tick(&mut out).await.unwrap();
-    }
-    assert!(out.released().is_empty(), "48 tokens take more than three 1 ms slices");
+    // Decode steps on version 0 for one slice.
+    stage.tick(&mut out).await.unwrap();
+    assert!(out.released().is_empty(), "{LEN} tokens take more than one 1 ms slice");
     let policy = PolicyRow {
         run_id: "test".into(),
         version: 1,
@@ -568,9 +569,9 @@ async fn rollout_swaps_weights_mid_group_with_every_slot_full() {
     assert_eq!(rows.len(), 2);
     for r in &rows {
         let v = &r.completion_versions;
-        assert_eq!(v.len(), 48);
+        assert_eq!(v.len(), LEN);
         assert_eq!(v[0], 0, "{v:?}");
-        assert_eq!(v[47], 1, "{v:?}");
+        assert_eq!(v[LEN - 1], 1, "{v:?}");
         assert!(v.windows(2).all(|w| w[0] <= w[1]), "{v:?}");
     }
 }
