@@ -275,6 +275,62 @@ pub fn latest_checkpoint(store: &Path) -> Option<(u64, PathBuf)> {
         .max_by_key(|(v, _)| *v)
 }
 
+/// What a step does with each of its samples: trained, filtered (no trainable token) or
+/// dropped as stale (older than `max_off_policy_steps` versions).
+struct Triage<'a> {
+    /// The samples to train, as the learner takes them.
+    train: Vec<TrainSample>,
+    /// Each sample's outcome, for the lineage.
+    outcomes: Vec<(&'a SampleRow, Outcome)>,
+    /// Samples per staleness (versions behind the trainer, by a sample's oldest token).
+    staleness: BTreeMap<u64, u64>,
+    /// Samples dropped as stale.
+    stale: u64,
+    /// Samples without a trainable token.
+    filtered: u64,
+}
+
+impl<'a> Triage<'a> {
+    fn of(
+        all: &'a [SampleRow],
+        version: u64,
+        max_off_policy_steps: u64,
+        instruments: &streamrl_runtime::instruments::Instruments,
+    ) -> Self {
+        let oldest_ok = version.saturating_sub(max_off_policy_steps);
+        let mut t = Triage {
+            train: Vec::new(),
+            outcomes: Vec::with_capacity(all.len()),
+            staleness: BTreeMap::new(),
+            stale: 0,
+            filtered: 0,
+        };
+        for s in all {
+            let oldest = s.completion_versions.iter().copied().min().unwrap_or(version as u32) as u64;
+            *t.staleness.entry(version.saturating_sub(oldest)).or_default() += 1;
+            instruments.staleness(version.saturating_sub(oldest));
+            let outcome = if !s.loss_mask.iter().any(|m| *m) {
+                t.filtered += 1;
+                Outcome::Filtered
+            } else if oldest < oldest_ok {
+                t.stale += 1;
+                Outcome::Stale
+            } else {
+                t.train.push(TrainSample {
+                    prompt: s.prompt_token_ids.clone(),
+                    completion: s.completion_token_ids.clone(),
+                    sampler_logprobs: s.completion_logprobs.clone(),
+                    loss_mask: s.loss_mask.clone(),
+                    advantage: s.advantage,
+                });
+                Outcome::Trained
+            };
+            t.outcomes.push((s, outcome));
+        }
+        t
+    }
+}
+
 fn abs(p: &Path) -> PathBuf {
     std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
 }
@@ -534,7 +590,56 @@ impl TrainerStage {
     }
 
     fn train_step(&mut self, out: &mut Emitter) -> Result<(), StageError> {
-        // This step's groups (and any that arrived after their own step was trained).
+        let (groups, linked) = self.take_step_groups(out);
+        // The step is a trace of its own, linked to every group it consumes; the version
+        // it publishes (and its metrics) carry its context.
+        let span = telemetry::linked_span("train-step", &self.ctx.instance(), &linked);
+        let _in_step = span.enter();
+        out.set_trace_context(telemetry::traceparent_for(&span, None).unwrap_or_else(telemetry::new_traceparent));
+        let all: Vec<SampleRow> = groups.into_iter().flat_map(|(_, v)| v).collect();
+        let triage = Triage::of(&all, self.version, self.cfg.max_off_policy_steps, &self.instruments);
+        let report = if triage.train.is_empty() {
+            StepReport::default()
+        } else {
+            let r = compute(|| self.learner.step(&triage.train))
+                .map_err(|e| StageError::internal(format!("train step: {e}")))?;
+            self.instruments
+                .train_step(r.tokens as u64, std::time::Duration::from_secs_f64(r.seconds.max(0.0)));
+            r
+        };
+        span.record("samples", all.len() as i64);
+        span.record("trained", triage.train.len() as i64);
+        span.record("tokens", report.tokens as i64);
+        span.record("loss", report.loss as f64);
+        self.version += 1;
+        span.record("policy_version", self.version as i64);
+        if self.buffer.range(self.version + 1..).next().is_some() {
+            self.waiting_since = Some(std::time::Instant::now());
+        }
+        for s in &all {
+            self.consumed.entry(s.step).or_default().insert(s.sample_id.clone());
+        }
+        self.last_lineage = self.lineage_rows(self.version, triage.outcomes.iter().copied());
+        let watermark = self.watermark();
+        self.consumed = self.consumed.split_off(&watermark);
+        self.checkpoint_and_publish(out)?;
+        let metrics = self.step_metrics(&all, &triage, &report);
+        let mut m = metrics.rows();
+        if self.cfg.eval_every > 0 && self.version.is_multiple_of(self.cfg.eval_every) {
+            m.extend(self.heldout());
+        }
+        let refs: Vec<(&str, f64)> = m.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        if let Some((t, b)) = self.ctx.metrics(self.version, &refs) {
+            out.emit(t, b);
+        }
+        tracing::debug!(stage = %self.ctx.instance(), version = self.version, loss = report.loss, reward = metrics.reward_mean,
+            trained = triage.train.len(), stale = triage.stale, seconds = report.seconds, "step");
+        Ok(())
+    }
+
+    /// This step's groups (and any that arrived after their own step was trained), their
+    /// inputs released, and the trace contexts they carried; counts the groups missing.
+    fn take_step_groups(&mut self, out: &mut Emitter) -> (Vec<(String, Vec<SampleRow>)>, Vec<String>) {
         let mut groups: Vec<(String, Vec<SampleRow>)> = Vec::new();
         let steps: Vec<u64> = self.buffer.range(..=self.version).map(|(s, _)| *s).collect();
         for s in steps {
@@ -548,67 +653,12 @@ impl TrainerStage {
         for (g, _) in &groups {
             out.release(g.clone());
         }
-        // The step is a trace of its own, linked to every group it consumes; the version
-        // it publishes (and its metrics) carry its context.
-        let span = telemetry::linked_span("train-step", &self.ctx.instance(), &linked);
-        let _in_step = span.enter();
-        out.set_trace_context(telemetry::traceparent_for(&span, None).unwrap_or_else(telemetry::new_traceparent));
-        let all: Vec<SampleRow> = groups.into_iter().flat_map(|(_, v)| v).collect();
-        let version = self.version;
-        let oldest_ok = version.saturating_sub(self.cfg.max_off_policy_steps);
-        let mut staleness: BTreeMap<u64, u64> = BTreeMap::new();
-        let (mut stale, mut filtered_samples) = (0u64, 0u64);
-        let mut train = Vec::new();
-        let mut outcomes = Vec::with_capacity(all.len());
-        for s in &all {
-            let oldest = s.completion_versions.iter().copied().min().unwrap_or(version as u32) as u64;
-            *staleness.entry(version.saturating_sub(oldest)).or_default() += 1;
-            self.instruments.staleness(version.saturating_sub(oldest));
-            if !s.loss_mask.iter().any(|m| *m) {
-                filtered_samples += 1;
-                outcomes.push((s, Outcome::Filtered));
-                continue;
-            }
-            if oldest < oldest_ok {
-                stale += 1;
-                outcomes.push((s, Outcome::Stale));
-                continue;
-            }
-            outcomes.push((s, Outcome::Trained));
-            train.push(TrainSample {
-                prompt: s.prompt_token_ids.clone(),
-                completion: s.completion_token_ids.clone(),
-                sampler_logprobs: s.completion_logprobs.clone(),
-                loss_mask: s.loss_mask.clone(),
-                advantage: s.advantage,
-            });
-        }
-        let report = if train.is_empty() {
-            StepReport::default()
-        } else {
-            compute(|| self.learner.step(&train)).map_err(|e| StageError::internal(format!("train step: {e}")))?
-        };
-        if !train.is_empty() {
-            self.instruments.train_step(
-                report.tokens as u64,
-                std::time::Duration::from_secs_f64(report.seconds.max(0.0)),
-            );
-        }
-        span.record("samples", all.len() as i64);
-        span.record("trained", train.len() as i64);
-        span.record("tokens", report.tokens as i64);
-        span.record("loss", report.loss as f64);
-        self.version += 1;
-        span.record("policy_version", self.version as i64);
-        if self.buffer.range(self.version + 1..).next().is_some() {
-            self.waiting_since = Some(std::time::Instant::now());
-        }
-        for s in &all {
-            self.consumed.entry(s.step).or_default().insert(s.sample_id.clone());
-        }
-        self.last_lineage = self.lineage_rows(self.version, outcomes);
-        let watermark = self.watermark();
-        self.consumed = self.consumed.split_off(&watermark);
+        (groups, linked)
+    }
+
+    /// Saves the new version's checkpoint, then emits its lineage and (after a barrier)
+    /// the version itself; old checkpoints past retention go.
+    fn checkpoint_and_publish(&mut self, out: &mut Emitter) -> Result<(), StageError> {
         let dir = self.store.join(format!("step-{:06}", self.version));
         let sha =
             compute(|| self.save(&dir)).map_err(|e| StageError::internal(format!("saving {}: {e}", dir.display())))?;
@@ -626,9 +676,13 @@ impl TrainerStage {
         out.barrier();
         self.publish(out)?;
         self.retain();
+        Ok(())
+    }
+
+    /// The step's metrics from its samples, their triage and the learner's report.
+    fn step_metrics(&self, all: &[SampleRow], triage: &Triage<'_>, report: &StepReport) -> StepMetrics {
         let n = all.len().max(1) as f64;
-        let rewards: Vec<f64> = all.iter().map(|s| s.reward as f64).collect();
-        let reward_mean = rewards.iter().sum::<f64>() / n;
+        let reward_mean = all.iter().map(|s| s.reward as f64).sum::<f64>() / n;
         let adv: Vec<f64> = all
             .iter()
             .filter(|s| s.loss_mask.iter().any(|m| *m))
@@ -637,7 +691,7 @@ impl TrainerStage {
         let adv_mean = adv.iter().sum::<f64>() / adv.len().max(1) as f64;
         let adv_std = (adv.iter().map(|a| (a - adv_mean).powi(2)).sum::<f64>() / adv.len().max(1) as f64).sqrt();
         let len_mean = all.iter().map(|s| s.completion_token_ids.len() as f64).sum::<f64>() / n;
-        let mut m = StepMetrics {
+        StepMetrics {
             loss: report.loss as f64,
             masked_low: report.masked_low as f64,
             masked_high: report.masked_high as f64,
@@ -653,9 +707,9 @@ impl TrainerStage {
             advantage_std: adv_std,
             completion_len_mean: len_mean,
             samples: all.len() as u64,
-            samples_trained: train.len() as u64,
-            samples_dropped_stale: stale,
-            samples_filtered: filtered_samples,
+            samples_trained: triage.train.len() as u64,
+            samples_dropped_stale: triage.stale,
+            samples_filtered: triage.filtered,
             samples_duplicate: self.duplicates,
             groups_missing: self.missing,
             trainable_tokens: report.trainable_tokens as u64,
@@ -667,19 +721,8 @@ impl TrainerStage {
                 0.0
             },
             moe_imbalance: report.moe_imbalance.map(f64::from),
-            staleness,
+            staleness: triage.staleness.clone(),
         }
-        .rows();
-        if self.cfg.eval_every > 0 && self.version.is_multiple_of(self.cfg.eval_every) {
-            m.extend(self.heldout());
-        }
-        let refs: Vec<(&str, f64)> = m.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-        if let Some((t, b)) = self.ctx.metrics(self.version, &refs) {
-            out.emit(t, b);
-        }
-        tracing::debug!(stage = %self.ctx.instance(), version = self.version, loss = report.loss, reward = reward_mean,
-            trained = train.len(), stale, seconds = report.seconds, "step");
-        Ok(())
     }
 
     /// Held-out greedy accuracy of the current weights, per environment and on average.
