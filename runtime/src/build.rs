@@ -5,7 +5,7 @@
 //! replica, its topics and the bus). The binary's registry is then one line per kind.
 //!
 //! ```
-//! use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, check, parse_config};
+//! use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, check, none_or_invalid, parse_config};
 //! use streamrl_runtime::{Emitter, Input, Stage, StageError};
 //! use streamrl_schemas::Problem;
 //!
@@ -30,8 +30,10 @@
 //!         if c.times == 0 { vec![Problem::new("times", "must be at least 1")] } else { vec![] }
 //!     }
 //!     fn build(c: RepeatConfig, ctx: &BuildContext) -> Result<Self, BuildError> {
-//!         let to = ctx.require_output(streamrl_schemas::SchemaId::Metrics)?;
-//!         Ok(Repeat { times: c.times, to })
+//!         let mut problems = Self::check(&c);
+//!         let to = ctx.require_output(streamrl_schemas::SchemaId::Metrics).map_err(|p| problems.push(p));
+//!         none_or_invalid(problems)?;
+//!         Ok(Repeat { times: c.times, to: to.expect("checked") })
 //!     }
 //! }
 //!
@@ -41,8 +43,9 @@
 //! let zero: serde_yaml::Value = serde_yaml::from_str("{ times: 0 }").unwrap();
 //! assert_eq!(check::<Repeat>(&zero)[0].to_string(), "times: must be at least 1");
 //! let cfg: RepeatConfig = parse_config(&serde_yaml::Value::Null).unwrap();
-//! let err = Repeat::build(cfg, &BuildContext::new("repeat", 0)).err().unwrap();
-//! assert!(err.to_string().contains("needs an output topic of schema `metrics`"));
+//! let err = Repeat::build(cfg, &BuildContext::new("repeat", 0)).err().unwrap().to_string();
+//! assert!(err.contains("times: must be at least 1"), "{err}");
+//! assert!(err.contains("needs an output topic of schema `metrics`"), "{err}");
 //! ```
 
 use std::fmt;
@@ -67,6 +70,9 @@ pub trait BuildStage: Stage + Sized + 'static {
     fn check(config: &Self::Config) -> Vec<Problem>;
 
     /// Builds one replica (expensive set-up, e.g. loading a checkpoint, happens here, once).
+    /// Reports every problem [`BuildStage::check`] finds together with those only it can
+    /// see (a missing output topic, no environments), before any set-up: it is the one
+    /// place a config is checked on the way to a running stage.
     fn build(config: Self::Config, ctx: &BuildContext) -> Result<Self, BuildError>;
 }
 
@@ -141,11 +147,10 @@ pub fn check<S: BuildStage>(config: &Value) -> Vec<Problem> {
     }
 }
 
-/// Parses, checks and builds one replica of `S` from its config block.
+/// Parses and builds one replica of `S` from its config block ([`BuildStage::build`]
+/// checks it).
 pub fn build<S: BuildStage>(config: &Value, ctx: &BuildContext) -> Result<Box<dyn Stage>, BuildError> {
-    let cfg = parse_config::<S::Config>(config)?;
-    none_or_invalid(S::check(&cfg))?;
-    Ok(Box::new(S::build(cfg, ctx)?))
+    Ok(Box::new(S::build(parse_config::<S::Config>(config)?, ctx)?))
 }
 
 /// What every stage is built from besides its own config.
