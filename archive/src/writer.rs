@@ -12,7 +12,7 @@ use parquet::file::properties::WriterProperties;
 use serde::Deserialize;
 use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, none_or_invalid};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
-use streamrl_schemas::{Problem, SchemaId};
+use streamrl_schemas::{Problem, SchemaId, Validate};
 
 use crate::{Error, Result};
 
@@ -38,9 +38,8 @@ impl Default for ArchiveConfig {
     }
 }
 
-impl ArchiveConfig {
-    /// Every problem with the values, at once.
-    pub fn problems(&self) -> Vec<Problem> {
+impl Validate for ArchiveConfig {
+    fn problems(&self) -> Vec<Problem> {
         let mut v = Vec::new();
         if self.flush_rows == 0 {
             v.push(Problem::new("flush_rows", "must be at least 1"));
@@ -312,10 +311,6 @@ pub struct ArchiveStage {
 /// offsets ([`ArchiveStage::with_offsets_of`]).
 impl BuildStage for ArchiveStage {
     type Config = ArchiveConfig;
-
-    fn check(cfg: &ArchiveConfig) -> Vec<Problem> {
-        cfg.problems()
-    }
 
     fn build(cfg: ArchiveConfig, ctx: &BuildContext) -> std::result::Result<Self, BuildError> {
         none_or_invalid(cfg.problems())?;

@@ -1,13 +1,13 @@
 //! Building a stage from its topology entry (Arroyo's operator constructors): each stage
-//! kind is a type implementing [`BuildStage`], which names its config struct, lists every
-//! problem of a parsed config ([`BuildStage::check`], run by `validate` before anything
-//! starts) and builds a replica from the config and a [`BuildContext`] (the run, the
-//! replica, its topics and the bus). The binary's registry is then one line per kind.
+//! kind is a type implementing [`BuildStage`], which names its config struct (whose
+//! [`Validate::problems`] lists every problem of a parsed config, run by `validate` before
+//! anything starts) and builds a replica from the config and a [`BuildContext`] (the run,
+//! the replica, its topics and the bus). The binary's registry is then one line per kind.
 //!
 //! ```
-//! use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, check, none_or_invalid, parse_config};
+//! use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, check, parse_config};
 //! use streamrl_runtime::{Emitter, Input, Stage, StageError};
-//! use streamrl_schemas::Problem;
+//! use streamrl_schemas::{Problem, SchemaId, Validate};
 //!
 //! /// Passes its input on, `times` times.
 //! struct Repeat { times: usize, to: String }
@@ -15,6 +15,12 @@
 //! #[derive(serde::Deserialize, Default)]
 //! #[serde(deny_unknown_fields, default)]
 //! struct RepeatConfig { times: usize }
+//!
+//! impl Validate for RepeatConfig {
+//!     fn problems(&self) -> Vec<Problem> {
+//!         if self.times == 0 { vec![Problem::new("times", "must be at least 1")] } else { vec![] }
+//!     }
+//! }
 //!
 //! #[async_trait::async_trait]
 //! impl Stage for Repeat {
@@ -26,14 +32,9 @@
 //!
 //! impl BuildStage for Repeat {
 //!     type Config = RepeatConfig;
-//!     fn check(c: &RepeatConfig) -> Vec<Problem> {
-//!         if c.times == 0 { vec![Problem::new("times", "must be at least 1")] } else { vec![] }
-//!     }
 //!     fn build(c: RepeatConfig, ctx: &BuildContext) -> Result<Self, BuildError> {
-//!         let mut problems = Self::check(&c);
-//!         let to = ctx.require_output(streamrl_schemas::SchemaId::Metrics).map_err(|p| problems.push(p));
-//!         none_or_invalid(problems)?;
-//!         Ok(Repeat { times: c.times, to: to.expect("checked") })
+//!         let to = ctx.checked_output(&c, SchemaId::Metrics)?;
+//!         Ok(Repeat { times: c.times, to })
 //!     }
 //! }
 //!
@@ -54,23 +55,21 @@ use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 use serde_yaml::Value;
-use streamrl_schemas::{MetricRow, Problem, SchemaId, TopicRow};
+use streamrl_schemas::{MetricRow, Problem, SchemaId, TopicRow, Validate};
 
 use crate::Stage;
 use crate::bus::Bus;
 
 /// A stage kind that can be built from its topology entry.
 pub trait BuildStage: Stage + Sized + 'static {
-    /// The `config:` block of the stage's topology entry (`null`: the default).
-    type Config: DeserializeOwned + Default;
-
-    /// Every invalid value of a parsed config, with key paths relative to the block.
-    /// Checks that need more than the config (files, the environments, the topics) belong
-    /// in [`BuildStage::build`].
-    fn check(config: &Self::Config) -> Vec<Problem>;
+    /// The `config:` block of the stage's topology entry (`null`: the default); its
+    /// [`Validate::problems`] lists every invalid value, with key paths relative to the
+    /// block. Checks that need more than the config (files, the environments, the topics)
+    /// belong in [`BuildStage::build`].
+    type Config: DeserializeOwned + Default + Validate;
 
     /// Builds one replica (expensive set-up, e.g. loading a checkpoint, happens here, once).
-    /// Reports every problem [`BuildStage::check`] finds together with those only it can
+    /// Reports every problem of the config together with those only it can
     /// see (a missing output topic, no environments), before any set-up: it is the one
     /// place a config is checked on the way to a running stage.
     fn build(config: Self::Config, ctx: &BuildContext) -> Result<Self, BuildError>;
@@ -139,10 +138,10 @@ pub fn parse_config<T: DeserializeOwned + Default>(v: &Value) -> Result<T, Vec<P
     serde_path_to_error::deserialize::<_, T>(v.clone()).map_err(|e| vec![streamrl_schemas::problem::from_serde(e)])
 }
 
-/// Every problem of a kind's config block: how it parses, then [`BuildStage::check`].
+/// Every problem of a kind's config block: how it parses, then [`Validate::problems`].
 pub fn check<S: BuildStage>(config: &Value) -> Vec<Problem> {
     match parse_config::<S::Config>(config) {
-        Ok(c) => S::check(&c),
+        Ok(c) => c.problems(),
         Err(p) => p,
     }
 }
@@ -231,6 +230,20 @@ impl BuildContext {
                 self.stage
             ))
         })
+    }
+
+    /// The output topic carrying `schema`, once `config` is checked: every problem of the
+    /// config and a missing output together (the start of most stages' `build`).
+    pub fn checked_output(&self, config: &impl Validate, schema: SchemaId) -> Result<String, BuildError> {
+        let mut problems = config.problems();
+        match self.require_output(schema) {
+            Ok(topic) if problems.is_empty() => Ok(topic),
+            Ok(_) => Err(BuildError::Invalid(problems)),
+            Err(missing) => {
+                problems.push(missing);
+                Err(BuildError::Invalid(problems))
+            }
+        }
     }
 
     /// This replica's OpenTelemetry instruments.

@@ -36,7 +36,7 @@ mod schema;
 
 pub use error::{Error, Result};
 pub use headers::{HeaderKey, Headers, MessageKind, Signal, WireHeaders};
-pub use problem::Problem;
+pub use problem::{Problem, Validate};
 pub use rows::{
     ContinuationRow, DeadLetterRow, ExecutedRow, MetricRow, Outcome, PolicyRow, PromptRow, RewardComponent, RolloutRow,
     SampleRow, ScoredRow, ToolCall, ToolOutput, TopicRow, TrainedRow,

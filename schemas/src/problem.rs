@@ -48,6 +48,13 @@ impl Problem {
     }
 }
 
+/// A configuration that can list its own mistakes: every invalid value, with key paths
+/// relative to the block it was read from (a stage's `config:`, an environment's entry).
+pub trait Validate {
+    /// Every problem (empty: the value is valid).
+    fn problems(&self) -> Vec<Problem>;
+}
+
 /// `key` then `path`, with a dot between unless `path` is empty or an index (`[i]`).
 fn join(key: &str, path: &str) -> String {
     if key.is_empty() {

@@ -194,7 +194,7 @@ struct Replicas(Vec<Child>);
 impl Drop for Replicas {
     fn drop(&mut self) {
         for c in &self.0 {
-            crate::cli::up::signal(c.id(), libc::SIGTERM);
+            crate::cli::up::signal(c.id(), rustix::process::Signal::TERM);
         }
         let deadline = Instant::now() + Duration::from_secs(30);
         for c in &mut self.0 {

@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
-use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, none_or_invalid};
+use streamrl_runtime::build::{BuildContext, BuildError, BuildStage};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
-use streamrl_schemas::{SampleRow, SchemaId, ScoredRow, TopicRow};
+use streamrl_schemas::{SampleRow, SchemaId, ScoredRow, TopicRow, Validate};
 
 use crate::{Invalid, now_ms, rows};
 
@@ -59,9 +59,8 @@ impl Default for MaskConfig {
     }
 }
 
-impl MaskConfig {
-    /// Every invalid value.
-    pub fn problems(&self) -> Vec<Invalid> {
+impl Validate for MaskConfig {
+    fn problems(&self) -> Vec<Invalid> {
         let mut p = Vec::new();
         if self.group_timeout_secs == 0 {
             p.push(Invalid::new("group_timeout_secs", "must be at least 1"));
@@ -129,18 +128,12 @@ pub fn advantages(rewards: &[f32], kind: Advantage) -> Vec<f32> {
 impl BuildStage for MaskStage {
     type Config = MaskConfig;
 
-    fn check(cfg: &MaskConfig) -> Vec<Invalid> {
-        cfg.problems()
-    }
-
     fn build(cfg: MaskConfig, ctx: &BuildContext) -> Result<Self, BuildError> {
-        let mut errs = cfg.problems();
-        let samples = ctx.require_output(SchemaId::Samples).map_err(|e| errs.push(e));
-        none_or_invalid(errs)?;
+        let samples = ctx.checked_output(&cfg, SchemaId::Samples)?;
         Ok(MaskStage {
             cfg,
             ctx: ctx.clone(),
-            samples: samples.expect("checked"),
+            samples,
             pending: HashMap::new(),
             done: HashSet::new(),
             done_order: VecDeque::new(),

@@ -8,9 +8,9 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use streamrl_envs::rubric::ScoreInput;
 use streamrl_envs::{ExecInfo, Mix, Problem};
-use streamrl_runtime::build::{BuildContext, BuildError, BuildStage};
+use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, none_or_invalid};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
-use streamrl_schemas::{ExecutedRow, RewardComponent, SchemaId, ScoredRow, TopicRow, trajectory_into};
+use streamrl_schemas::{ExecutedRow, RewardComponent, SchemaId, ScoredRow, TopicRow, Validate, trajectory_into};
 
 use crate::{Invalid, now_ms, rows};
 
@@ -18,6 +18,13 @@ use crate::{Invalid, now_ms, rows};
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RewardConfig {}
+
+/// Nothing to check: the rubric is each environment's.
+impl Validate for RewardConfig {
+    fn problems(&self) -> Vec<Invalid> {
+        Vec::new()
+    }
+}
 
 /// The reward stage.
 #[derive(Debug)]
@@ -29,14 +36,14 @@ pub struct RewardStage {
 impl BuildStage for RewardStage {
     type Config = RewardConfig;
 
-    fn check(_: &RewardConfig) -> Vec<Invalid> {
-        Vec::new()
-    }
-
-    fn build(_cfg: RewardConfig, ctx: &BuildContext) -> Result<Self, BuildError> {
+    fn build(cfg: RewardConfig, ctx: &BuildContext) -> Result<Self, BuildError> {
+        let mut errs = cfg.problems();
+        let envs = crate::require_environments(ctx).map_err(|e| errs.extend(e));
+        let scored = ctx.require_output(SchemaId::Scored).map_err(|e| errs.push(e));
+        none_or_invalid(errs)?;
         Ok(RewardStage {
-            envs: crate::require_environments(ctx)?,
-            scored: ctx.require_output(SchemaId::Scored)?,
+            envs: envs.expect("checked"),
+            scored: scored.expect("checked"),
         })
     }
 }

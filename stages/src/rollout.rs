@@ -21,10 +21,10 @@ use streamrl_model::Tokenizer;
 use streamrl_model::checkpoint;
 use streamrl_model::device::{DeviceSpec, Precision};
 use streamrl_model::engine::{Engine, EngineConfig, Event, Output, SamplingParams};
-use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, none_or_invalid};
+use streamrl_runtime::build::{BuildContext, BuildError, BuildStage};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
 use streamrl_schemas::{
-    ContinuationRow, PolicyRow, PromptRow, RolloutRow, SchemaId, ToolCall, TopicRow, trajectory_into,
+    ContinuationRow, PolicyRow, PromptRow, RolloutRow, SchemaId, ToolCall, TopicRow, Validate, trajectory_into,
 };
 
 use crate::remote::RemoteEngine;
@@ -174,9 +174,8 @@ impl OpenAiEngine {
     }
 }
 
-impl RolloutConfig {
-    /// Every invalid value.
-    pub fn problems(&self) -> Vec<Invalid> {
+impl Validate for RolloutConfig {
+    fn problems(&self) -> Vec<Invalid> {
         let mut p = Vec::new();
         if self.checkpoint.as_os_str().is_empty() {
             p.push(Invalid::new("checkpoint", "required (the initial policy)"));
@@ -285,14 +284,8 @@ fn seed_of(group_id: &str, index: u32) -> u64 {
 impl BuildStage for RolloutStage {
     type Config = RolloutConfig;
 
-    fn check(cfg: &RolloutConfig) -> Vec<Invalid> {
-        cfg.problems()
-    }
-
     fn build(cfg: RolloutConfig, ctx: &BuildContext) -> Result<Self, BuildError> {
-        let mut errs = cfg.problems();
-        let out = ctx.require_output(SchemaId::Rollouts).map_err(|e| errs.push(e));
-        none_or_invalid(errs)?;
+        let out = ctx.checked_output(&cfg, SchemaId::Rollouts)?;
         let envs = crate::environments(ctx)?;
         let mut cfg = cfg;
         cfg.checkpoint = crate::weights::initial(&cfg.checkpoint, &ctx.weights_cache(), crate::weights::INITIAL_WAIT)
@@ -308,7 +301,7 @@ impl BuildStage for RolloutStage {
             envs,
             backend,
             tokenizer,
-            out_topic: out.expect("checked"),
+            out_topic: out,
             groups: HashMap::new(),
             requests: HashMap::new(),
             turns: Default::default(),
@@ -555,7 +548,6 @@ impl RolloutStage {
         if done.is_empty() {
             return Ok(());
         }
-        let tok = self.tokenizer.clone();
         let mut rows_out = Vec::with_capacity(done.len());
         self.instruments
             .generated(done.iter().map(|o| o.tokens.len() as u64).sum());
@@ -563,87 +555,21 @@ impl RolloutStage {
             let Some(pending) = self.requests.remove(&o.id) else {
                 continue;
             };
-            let new_text = if o.text.is_empty() {
-                tok.decode(&o.tokens).unwrap_or_default()
+            let text = if o.text.is_empty() {
+                self.tokenizer.decode(&o.tokens).unwrap_or_default()
             } else {
                 o.text.clone()
             };
             match pending {
-                Pending::Sample { group: gid, index } => {
-                    let Some(group) = self.groups.get(&gid) else { continue };
-                    let p = &group.prompt;
-                    let rollout_id = format!("{gid}-{index}");
-                    let tool_calls = if o.finish_reason.as_str() == "tool_call" {
-                        self.tool_call(&p.env, &rollout_id, 0, &new_text)
-                    } else {
-                        vec![]
-                    };
-                    rows_out.push(RolloutRow {
-                        run_id: p.run_id.clone(),
-                        problem_id: p.problem_id.clone(),
-                        group_id: gid.clone(),
-                        sample_id: format!("{rollout_id}-t0"),
-                        rollout_id,
-                        env: p.env.clone(),
-                        step: p.step,
-                        sample_index: index,
-                        group_size: p.group_size,
-                        turn: 0,
-                        prompt: p.prompt.clone(),
-                        prompt_token_ids: p.prompt_token_ids.clone(),
-                        completion: new_text,
-                        loss_mask: vec![true; o.tokens.len()],
-                        completion_token_ids: o.tokens,
-                        completion_logprobs: o.logprobs,
-                        completion_versions: o.versions,
-                        finish_reason: o.finish_reason.as_str().to_string(),
-                        tool_calls,
-                        answer: p.answer.clone(),
-                        info: p.info.clone(),
-                        temperature: p.temperature,
-                        started_at: o.started_at,
-                        finished_at: o.finished_at,
-                        created_at: now_ms(),
-                    });
-                }
+                Pending::Sample { group, index } => rows_out.extend(self.first_turn(&group, index, o, text)),
                 Pending::Turn {
                     prev,
                     tool_text,
                     tool_tokens,
                 } => {
-                    let mut c = *prev;
-                    self.turns.remove(&c.rollout_id);
-                    out.release(c.rollout_id.clone());
-                    let turn = c.turn + 1;
-                    let n_tool = tool_tokens.len();
-                    // Tool tokens are the environment's, not the policy's: masked out of the
-                    // loss, logprob 0, and the version of the turn before them.
-                    let tool_version = c
-                        .completion_versions
-                        .last()
-                        .copied()
-                        .or(o.versions.first().copied())
-                        .unwrap_or(0);
-                    c.completion.push_str(&tool_text);
-                    c.completion.push_str(&new_text);
-                    c.completion_token_ids
-                        .extend(tool_tokens.into_iter().chain(o.tokens.iter().copied()));
-                    c.completion_logprobs
-                        .extend(std::iter::repeat_n(0.0, n_tool).chain(o.logprobs.iter().copied()));
-                    c.completion_versions
-                        .extend(std::iter::repeat_n(tool_version, n_tool).chain(o.versions.iter().copied()));
-                    c.loss_mask
-                        .extend(std::iter::repeat_n(false, n_tool).chain(std::iter::repeat_n(true, o.tokens.len())));
-                    c.tool_calls = if o.finish_reason.as_str() == "tool_call" {
-                        self.tool_call(&c.env, &c.rollout_id, turn, &new_text)
-                    } else {
-                        vec![]
-                    };
-                    c.finish_reason = o.finish_reason.as_str().to_string();
-                    c.sample_id = format!("{}-t{turn}", c.rollout_id);
-                    c.turn = turn;
-                    c.finished_at = o.finished_at;
-                    rows_out.push(trajectory_into!(c, RolloutRow { created_at: now_ms() }));
+                    self.turns.remove(&prev.rollout_id);
+                    out.release(prev.rollout_id.clone());
+                    rows_out.push(self.next_turn(*prev, &tool_text, tool_tokens, o, text));
                 }
             }
         }
@@ -662,6 +588,86 @@ impl RolloutStage {
             RolloutRow::to_batch(&rows_out).map_err(|e| StageError::internal(e.to_string()))?,
         );
         Ok(())
+    }
+
+    /// The row of sample `index` of group `gid` after its first turn (`None`: the group
+    /// is gone).
+    fn first_turn(&self, gid: &str, index: u32, o: Output, text: String) -> Option<RolloutRow> {
+        let p = &self.groups.get(gid)?.prompt;
+        let rollout_id = format!("{gid}-{index}");
+        let tool_calls = if o.finish_reason.as_str() == "tool_call" {
+            self.tool_call(&p.env, &rollout_id, 0, &text)
+        } else {
+            vec![]
+        };
+        Some(RolloutRow {
+            run_id: p.run_id.clone(),
+            problem_id: p.problem_id.clone(),
+            group_id: gid.to_string(),
+            sample_id: format!("{rollout_id}-t0"),
+            rollout_id,
+            env: p.env.clone(),
+            step: p.step,
+            sample_index: index,
+            group_size: p.group_size,
+            turn: 0,
+            prompt: p.prompt.clone(),
+            prompt_token_ids: p.prompt_token_ids.clone(),
+            completion: text,
+            loss_mask: vec![true; o.tokens.len()],
+            completion_token_ids: o.tokens,
+            completion_logprobs: o.logprobs,
+            completion_versions: o.versions,
+            finish_reason: o.finish_reason.as_str().to_string(),
+            tool_calls,
+            answer: p.answer.clone(),
+            info: p.info.clone(),
+            temperature: p.temperature,
+            started_at: o.started_at,
+            finished_at: o.finished_at,
+            created_at: now_ms(),
+        })
+    }
+
+    /// The trajectory `c` extended by its tool outputs and the turn generated after them.
+    fn next_turn(
+        &self,
+        mut c: ContinuationRow,
+        tool_text: &str,
+        tool_tokens: Vec<u32>,
+        o: Output,
+        text: String,
+    ) -> RolloutRow {
+        let turn = c.turn + 1;
+        let n_tool = tool_tokens.len();
+        // Tool tokens are the environment's, not the policy's: masked out of the loss,
+        // logprob 0, and the version of the turn before them.
+        let tool_version = c
+            .completion_versions
+            .last()
+            .copied()
+            .or(o.versions.first().copied())
+            .unwrap_or(0);
+        c.completion.push_str(tool_text);
+        c.completion.push_str(&text);
+        c.completion_token_ids
+            .extend(tool_tokens.into_iter().chain(o.tokens.iter().copied()));
+        c.completion_logprobs
+            .extend(std::iter::repeat_n(0.0, n_tool).chain(o.logprobs.iter().copied()));
+        c.completion_versions
+            .extend(std::iter::repeat_n(tool_version, n_tool).chain(o.versions.iter().copied()));
+        c.loss_mask
+            .extend(std::iter::repeat_n(false, n_tool).chain(std::iter::repeat_n(true, o.tokens.len())));
+        c.tool_calls = if o.finish_reason.as_str() == "tool_call" {
+            self.tool_call(&c.env, &c.rollout_id, turn, &text)
+        } else {
+            vec![]
+        };
+        c.finish_reason = o.finish_reason.as_str().to_string();
+        c.sample_id = format!("{}-t{turn}", c.rollout_id);
+        c.turn = turn;
+        c.finished_at = o.finished_at;
+        trajectory_into!(c, RolloutRow { created_at: now_ms() })
     }
 
     async fn load_policy(&mut self, p: &PolicyRow, out: &mut Emitter) {

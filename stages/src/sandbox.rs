@@ -26,7 +26,7 @@ use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, none_or_inva
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
 use streamrl_sandbox::{ExecRequest, ExecResult, ExecStatus, Pool};
 use streamrl_schemas::{
-    ContinuationRow, ExecutedRow, RolloutRow, SchemaId, ToolCall, ToolOutput, TopicRow, trajectory_into,
+    ContinuationRow, ExecutedRow, RolloutRow, SchemaId, ToolCall, ToolOutput, TopicRow, Validate, trajectory_into,
 };
 
 use crate::{Invalid, now_ms, rows};
@@ -51,9 +51,8 @@ impl Default for SandboxConfig {
     }
 }
 
-impl SandboxConfig {
-    /// Every invalid value.
-    pub fn problems(&self) -> Vec<Invalid> {
+impl Validate for SandboxConfig {
+    fn problems(&self) -> Vec<Invalid> {
         let mut p: Vec<Invalid> = self
             .pool
             .validate()
@@ -84,10 +83,6 @@ pub struct SandboxStage {
 /// cannot run sandboxes fails here with the reason).
 impl BuildStage for SandboxStage {
     type Config = SandboxConfig;
-
-    fn check(cfg: &SandboxConfig) -> Vec<Invalid> {
-        cfg.problems()
-    }
 
     fn build(cfg: SandboxConfig, ctx: &BuildContext) -> Result<Self, BuildError> {
         let mut errs = cfg.problems();

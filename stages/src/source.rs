@@ -43,7 +43,7 @@ use streamrl_model::Tokenizer;
 use streamrl_model::chat::ChatTemplate;
 use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, none_or_invalid};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
-use streamrl_schemas::{PolicyRow, PromptRow, SchemaId, ScoredRow, TopicRow};
+use streamrl_schemas::{PolicyRow, PromptRow, SchemaId, ScoredRow, TopicRow, Validate};
 
 use crate::{Invalid, now_ms, rows};
 
@@ -169,9 +169,8 @@ impl Default for SourceConfig {
     }
 }
 
-impl SourceConfig {
-    /// Every invalid value.
-    pub fn problems(&self) -> Vec<Invalid> {
+impl Validate for SourceConfig {
+    fn problems(&self) -> Vec<Invalid> {
         let mut p = Vec::new();
         if self.checkpoint.as_os_str().is_empty() {
             p.push(Invalid::new(
@@ -299,10 +298,6 @@ impl std::fmt::Debug for SourceStage {
 /// Builds the stage: loads the tokenizer, checks outputs and environments.
 impl BuildStage for SourceStage {
     type Config = SourceConfig;
-
-    fn check(cfg: &SourceConfig) -> Vec<Invalid> {
-        cfg.problems()
-    }
 
     fn build(cfg: SourceConfig, ctx: &BuildContext) -> Result<Self, BuildError> {
         let mut errs = cfg.problems();

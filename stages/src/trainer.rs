@@ -34,9 +34,9 @@ use std::path::{Path, PathBuf};
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use streamrl_model::chat::ChatTemplate;
-use streamrl_runtime::build::{BuildContext, BuildError, BuildStage, none_or_invalid};
+use streamrl_runtime::build::{BuildContext, BuildError, BuildStage};
 use streamrl_runtime::{Emitter, Input, Stage, StageError, telemetry};
-use streamrl_schemas::{Outcome, PolicyRow, SampleRow, SchemaId, Signal, TopicRow, TrainedRow};
+use streamrl_schemas::{Outcome, PolicyRow, SampleRow, SchemaId, Signal, TopicRow, TrainedRow, Validate};
 
 use crate::step_metrics::{StepMetrics, name};
 use crate::train::{Learner, StepReport, TrainConfig, TrainSample};
@@ -111,9 +111,8 @@ impl Default for TrainerConfig {
     }
 }
 
-impl TrainerConfig {
-    /// Every invalid value.
-    pub fn problems(&self) -> Vec<Invalid> {
+impl Validate for TrainerConfig {
+    fn problems(&self) -> Vec<Invalid> {
         let mut p = Vec::new();
         if self.checkpoint.as_os_str().is_empty() {
             p.push(Invalid::new("checkpoint", "required (the initial policy)"));
@@ -340,14 +339,8 @@ fn abs(p: &Path) -> PathBuf {
 impl BuildStage for TrainerStage {
     type Config = TrainerConfig;
 
-    fn check(cfg: &TrainerConfig) -> Vec<Invalid> {
-        cfg.problems()
-    }
-
     fn build(cfg: TrainerConfig, ctx: &BuildContext) -> Result<Self, BuildError> {
-        let mut errs = cfg.problems();
-        let policy = ctx.require_output(SchemaId::Policy).map_err(|e| errs.push(e));
-        none_or_invalid(errs)?;
+        let policy = ctx.checked_output(&cfg, SchemaId::Policy)?;
         let envs = crate::environments(ctx)?;
         let store = ctx.run_dir.join("checkpoints");
         let ckpt_listener = match &cfg.serve_checkpoints {
@@ -415,7 +408,7 @@ impl BuildStage for TrainerStage {
             envs,
             learner,
             store,
-            policy_topic: policy.expect("checked"),
+            policy_topic: policy,
             buffer: BTreeMap::new(),
             waiting_since: None,
             duplicates: 0,

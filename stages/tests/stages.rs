@@ -6,7 +6,7 @@ use candle_core::Device;
 use streamrl_model::{Tokenizer, checkpoint, config};
 use streamrl_runtime::build::{BuildContext, BuildStage};
 use streamrl_runtime::{Emitter, Input, Stage};
-use streamrl_schemas::{PolicyRow, PromptRow, RolloutRow, SampleRow, SchemaId, ScoredRow, TopicRow};
+use streamrl_schemas::{PolicyRow, PromptRow, RolloutRow, SampleRow, SchemaId, ScoredRow, TopicRow, Validate};
 use streamrl_stages::build_envs;
 use streamrl_stages::mask::{MaskConfig, MaskStage};
 use streamrl_stages::reward::{RewardConfig, RewardStage};

@@ -16,26 +16,20 @@
 //! `down` sends SIGTERM to the supervisor recorded there, which forwards it to every
 //! replica (each finishes its in-flight message, commits and exits) and waits for them.
 
+mod replica;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use rustix::process::Signal;
 use serde::{Deserialize, Serialize};
 use streamrl_runtime::runner::Shutdown;
 use streamrl_runtime::topology::Topology;
 
-/// Restarting a replica waits this long at first, doubling per quick failure.
-const FIRST_BACKOFF: Duration = Duration::from_millis(200);
-/// The longest wait before a restart.
-const MAX_BACKOFF: Duration = Duration::from_secs(10);
-/// A replica that ran this long before dying is restarted at the first backoff again.
-const HEALTHY_AFTER: Duration = Duration::from_secs(30);
-/// Consecutive quick failures of one replica after which `up` gives up.
-const MAX_QUICK_FAILURES: u32 = 5;
-/// A failure within this long of starting counts as quick.
-const QUICK: Duration = Duration::from_secs(5);
+pub(crate) use replica::signal;
+use replica::{Launcher, Replica};
 
 /// `streamrl up`.
 #[derive(clap::Args)]
@@ -82,151 +76,6 @@ pub struct UpState {
 /// Where `up` records its processes.
 pub fn state_path(run_dir: &Path) -> PathBuf {
     run_dir.join("up.json")
-}
-
-struct Replica {
-    stage: String,
-    replica: u32,
-    child: Option<Child>,
-    started: Instant,
-    restart_at: Option<Instant>,
-    backoff: Duration,
-    quick_failures: u32,
-    starts: u32,
-    finished: bool,
-}
-
-impl Replica {
-    /// Replica `replica` of `stage`, due to start now.
-    fn new(stage: &str, replica: u32) -> Self {
-        Replica {
-            stage: stage.to_string(),
-            replica,
-            child: None,
-            started: Instant::now(),
-            restart_at: Some(Instant::now()),
-            backoff: FIRST_BACKOFF,
-            quick_failures: 0,
-            starts: 0,
-            finished: false,
-        }
-    }
-
-    fn instance(&self) -> String {
-        format!("{}-{}", self.stage, self.replica)
-    }
-
-    /// Its process ended with `status`: finished (exit 0), or due for a restart after its
-    /// backoff; `Err` with the cause once it keeps failing by itself.
-    fn exited(&mut self, status: std::process::ExitStatus, log: &Path) -> Result<(), String> {
-        self.child = None;
-        let ran = self.started.elapsed();
-        if status.success() {
-            self.finished = true;
-            eprintln!("up: {} finished (the run ended)", self.instance());
-            return Ok(());
-        }
-        // Only a process that fails by itself, soon after starting, counts towards giving
-        // up (a configuration or environment problem a restart will not fix) or slows its
-        // own restarts down; one killed from outside (SIGKILL: an operator, the OOM
-        // killer) always comes back at once.
-        let killed = std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL);
-        if ran >= HEALTHY_AFTER || killed {
-            self.backoff = FIRST_BACKOFF;
-        }
-        self.quick_failures = if ran < QUICK && !killed {
-            self.quick_failures + 1
-        } else {
-            0
-        };
-        let cause = describe(status);
-        if self.quick_failures >= MAX_QUICK_FAILURES {
-            return Err(format!(
-                "{} failed {MAX_QUICK_FAILURES} times in a row within {QUICK:?} of starting (last: {cause}); see {}",
-                self.instance(),
-                log.display()
-            ));
-        }
-        eprintln!(
-            "up: {} {cause} after {:.1} s; restarting in {:?}",
-            self.instance(),
-            ran.as_secs_f64(),
-            self.backoff
-        );
-        self.restart_at = Some(Instant::now() + self.backoff);
-        if !killed {
-            self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
-        }
-        Ok(())
-    }
-
-    /// Starts its process when it is due; whether it did.
-    fn start_if_due(&mut self, launcher: &Launcher<'_>) -> Result<bool> {
-        if self.child.is_some() || self.finished || self.restart_at.is_none_or(|at| Instant::now() < at) {
-            return Ok(false);
-        }
-        self.child = Some(launcher.spawn(self)?);
-        self.starts += 1;
-        self.started = Instant::now();
-        self.restart_at = None;
-        Ok(true)
-    }
-}
-
-/// How `up` starts a replica's process: `streamrl stage` of this binary, on the same
-/// topology (and `--set` overrides) and bus, its output appended to its log.
-struct Launcher<'a> {
-    exe: PathBuf,
-    logs: PathBuf,
-    topology: &'a Path,
-    bus_url: &'a str,
-}
-
-impl Launcher<'_> {
-    /// The log file of a replica.
-    fn log(&self, r: &Replica) -> PathBuf {
-        self.logs.join(format!("{}.log", r.instance()))
-    }
-
-    fn spawn(&self, r: &Replica) -> Result<Child> {
-        let log = self.log(r);
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .with_context(|| format!("opening {}", log.display()))?;
-        let err = file.try_clone()?;
-        let mut cmd = Command::new(&self.exe);
-        // SAFETY: prctl(2) in the child between fork and exec touches no memory of the
-        // parent and allocates nothing (async-signal-safe).
-        #[allow(unsafe_code)]
-        unsafe {
-            use std::os::unix::process::CommandExt;
-            // A replica must not outlive its supervisor (killed or not): it gets SIGTERM,
-            // finishes its message and commits.
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        cmd.arg("stage")
-            .arg(&r.stage)
-            .arg("--replica")
-            .arg(r.replica.to_string())
-            .arg("--bus")
-            .arg(self.bus_url)
-            .arg("--topology")
-            .arg(self.topology)
-            // The same topology as this process's: its `--set` overrides too.
-            .env("STREAMRL_SET", super::overrides().join("\n"))
-            .stdin(Stdio::null())
-            .stdout(file)
-            .stderr(err)
-            .spawn()
-            .with_context(|| format!("starting {}", r.instance()))
-    }
 }
 
 /// Runs every replica of `t` as its own process until the run ends (or a signal).
@@ -314,7 +163,7 @@ async fn supervise(
 async fn stop_all(replicas: &mut [Replica]) {
     for r in replicas.iter() {
         if let Some(c) = &r.child {
-            signal(c.id(), libc::SIGTERM);
+            signal(c.id(), Signal::TERM);
         }
     }
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -359,24 +208,6 @@ fn write_state(run_dir: &Path, replicas: &[Replica]) -> Result<()> {
     Ok(())
 }
 
-fn describe(status: std::process::ExitStatus) -> String {
-    use std::os::unix::process::ExitStatusExt;
-    match (status.code(), status.signal()) {
-        (Some(c), _) => format!("exited with status {c}"),
-        (None, Some(s)) => format!("was killed by signal {s}"),
-        _ => format!("ended ({status})"),
-    }
-}
-
-pub(crate) fn signal(pid: u32, sig: libc::c_int) {
-    // SAFETY: kill(2) with a pid of a child this process started and has not reaped (so the
-    // pid cannot have been reused); no memory is shared.
-    #[allow(unsafe_code)]
-    unsafe {
-        libc::kill(pid as libc::pid_t, sig);
-    }
-}
-
 /// Stops the `up` of `run_dir`: SIGTERM to its supervisor, then waits until it is gone.
 pub async fn down(run_dir: &Path) -> Result<()> {
     let path = state_path(run_dir);
@@ -397,7 +228,7 @@ pub async fn down(run_dir: &Path) -> Result<()> {
             state.supervisor
         );
     }
-    signal(state.supervisor, libc::SIGTERM);
+    signal(state.supervisor, Signal::TERM);
     let deadline = Instant::now() + Duration::from_secs(90);
     while alive(state.supervisor) {
         if Instant::now() > deadline {
