@@ -298,43 +298,8 @@ impl HfConfig {
     /// Resolves and validates, reporting every problem at once.
     pub fn resolve(&self) -> Result<Config> {
         let mut errs = Vec::new();
-        let family = match self.model_type.as_deref().unwrap_or("llama") {
-            "llama" | "mistral" => Family::Llama,
-            "qwen2" => Family::Qwen2,
-            "qwen3" => Family::Qwen3,
-            "qwen3_moe" => Family::Qwen3Moe,
-            "mixtral" => Family::Mixtral,
-            other => {
-                errs.push(format!(
-                    "model_type `{other}` is not supported (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral)"
-                ));
-                Family::Llama
-            }
-        };
-        let n_heads = self.num_attention_heads;
-        let n_kv_heads = self.num_key_value_heads.unwrap_or(n_heads);
-        if n_heads == 0 {
-            errs.push("num_attention_heads must be at least 1".into());
-        }
-        if n_kv_heads == 0 || (n_heads > 0 && !n_heads.is_multiple_of(n_kv_heads)) {
-            errs.push(format!(
-                "num_key_value_heads {n_kv_heads} must divide num_attention_heads {n_heads}"
-            ));
-        }
-        let head_dim = self
-            .head_dim
-            .unwrap_or(self.hidden_size.checked_div(n_heads).unwrap_or(0));
-        if head_dim == 0 || !head_dim.is_multiple_of(2) {
-            errs.push(format!(
-                "head_dim {head_dim} must be even and positive (RoPE rotates pairs)"
-            ));
-        }
-        if self.head_dim.is_none() && n_heads > 0 && !self.hidden_size.is_multiple_of(n_heads) {
-            errs.push(format!(
-                "hidden_size {} is not divisible by {n_heads} heads",
-                self.hidden_size
-            ));
-        }
+        let family = self.family(&mut errs);
+        let (n_heads, n_kv_heads, head_dim) = self.heads(&mut errs);
         for (name, v) in [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -344,56 +309,14 @@ impl HfConfig {
                 errs.push(format!("{name} must be at least 1"));
             }
         }
-        let n_experts = self.num_experts.or(self.num_local_experts).unwrap_or(0);
-        let moe_family = matches!(family, Family::Qwen3Moe | Family::Mixtral);
-        let moe = if n_experts > 0 || moe_family {
-            let top_k = self.num_experts_per_tok.unwrap_or(2);
-            if n_experts == 0 {
-                errs.push(format!("{family:?} needs num_experts (or num_local_experts)"));
-            }
-            if top_k == 0 || top_k > n_experts.max(1) {
-                errs.push(format!("num_experts_per_tok {top_k} must be in 1..={n_experts}"));
-            }
-            let expert_ff = self.moe_intermediate_size.unwrap_or(self.intermediate_size);
-            if expert_ff == 0 {
-                errs.push("moe_intermediate_size (or intermediate_size) must be at least 1".into());
-            }
-            Some(MoeConfig {
-                n_experts,
-                top_k,
-                expert_ff,
-                score: self.router_score.unwrap_or(RouterScore::Softmax),
-                renormalize: self.norm_topk_prob.unwrap_or(family == Family::Mixtral),
-                shared_ff: self.shared_expert_intermediate_size.filter(|&s| s > 0),
-                aux_loss_coef: self.router_aux_loss_coef.unwrap_or(0.001),
-            })
-        } else {
-            if self.intermediate_size == 0 {
-                errs.push("intermediate_size must be at least 1".into());
-            }
-            None
-        };
+        let moe = self.moe(family, &mut errs);
         if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             errs.push(format!("rms_norm_eps {} must be positive", self.rms_norm_eps));
         }
         let (rope_theta, rope_scaling) = self.rope(&mut errs);
         let model_type = self.model_type.as_deref().unwrap_or("llama");
         self.check_sliding_window(model_type, &mut errs);
-        let attention_bias = self.attention_bias.unwrap_or(false);
-        let (qkv_bias, o_bias) = match model_type {
-            // Qwen2's q/k/v always carry biases and its o never does; it has no such key.
-            "qwen2" => (true, false),
-            "mistral" | "mixtral" => {
-                if attention_bias {
-                    errs.push(format!(
-                        "attention_bias true: {model_type} attention has no biases in transformers, so this checkpoint is not a {model_type} one"
-                    ));
-                }
-                (false, false)
-            }
-            _ => (attention_bias, attention_bias),
-        };
-        let mlp_bias = model_type == "llama" && self.mlp_bias.unwrap_or(false);
+        let (qkv_bias, o_bias, mlp_bias) = self.biases(model_type, &mut errs);
         if !errs.is_empty() {
             return Err(Error::Config(errs));
         }
@@ -418,6 +341,108 @@ impl HfConfig {
             qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe),
             moe,
         })
+    }
+
+    /// The architecture family of `model_type` (absent: llama).
+    fn family(&self, errs: &mut Vec<String>) -> Family {
+        match self.model_type.as_deref().unwrap_or("llama") {
+            "llama" | "mistral" => Family::Llama,
+            "qwen2" => Family::Qwen2,
+            "qwen3" => Family::Qwen3,
+            "qwen3_moe" => Family::Qwen3Moe,
+            "mixtral" => Family::Mixtral,
+            other => {
+                errs.push(format!(
+                    "model_type `{other}` is not supported (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral)"
+                ));
+                Family::Llama
+            }
+        }
+    }
+
+    /// Query heads, key/value heads and the head dimension.
+    fn heads(&self, errs: &mut Vec<String>) -> (usize, usize, usize) {
+        let n_heads = self.num_attention_heads;
+        let n_kv_heads = self.num_key_value_heads.unwrap_or(n_heads);
+        if n_heads == 0 {
+            errs.push("num_attention_heads must be at least 1".into());
+        }
+        if n_kv_heads == 0 || (n_heads > 0 && !n_heads.is_multiple_of(n_kv_heads)) {
+            errs.push(format!(
+                "num_key_value_heads {n_kv_heads} must divide num_attention_heads {n_heads}"
+            ));
+        }
+        let head_dim = self
+            .head_dim
+            .unwrap_or(self.hidden_size.checked_div(n_heads).unwrap_or(0));
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            errs.push(format!(
+                "head_dim {head_dim} must be even and positive (RoPE rotates pairs)"
+            ));
+        }
+        if self.head_dim.is_none() && n_heads > 0 && !self.hidden_size.is_multiple_of(n_heads) {
+            errs.push(format!(
+                "hidden_size {} is not divisible by {n_heads} heads",
+                self.hidden_size
+            ));
+        }
+        (n_heads, n_kv_heads, head_dim)
+    }
+
+    /// The MoE feed-forward when the checkpoint has experts (`None`: a dense one, whose
+    /// `intermediate_size` is checked instead).
+    fn moe(&self, family: Family, errs: &mut Vec<String>) -> Option<MoeConfig> {
+        let n_experts = self.num_experts.or(self.num_local_experts).unwrap_or(0);
+        let moe_family = matches!(family, Family::Qwen3Moe | Family::Mixtral);
+        if n_experts == 0 && !moe_family {
+            if self.intermediate_size == 0 {
+                errs.push("intermediate_size must be at least 1".into());
+            }
+            return None;
+        }
+        let top_k = self.num_experts_per_tok.unwrap_or(2);
+        if n_experts == 0 {
+            errs.push(format!("{family:?} needs num_experts (or num_local_experts)"));
+        }
+        if top_k == 0 || top_k > n_experts.max(1) {
+            errs.push(format!("num_experts_per_tok {top_k} must be in 1..={n_experts}"));
+        }
+        let expert_ff = self.moe_intermediate_size.unwrap_or(self.intermediate_size);
+        if expert_ff == 0 {
+            errs.push("moe_intermediate_size (or intermediate_size) must be at least 1".into());
+        }
+        Some(MoeConfig {
+            n_experts,
+            top_k,
+            expert_ff,
+            score: self.router_score.unwrap_or(RouterScore::Softmax),
+            renormalize: self.norm_topk_prob.unwrap_or(family == Family::Mixtral),
+            shared_ff: self.shared_expert_intermediate_size.filter(|&s| s > 0),
+            aux_loss_coef: self.router_aux_loss_coef.unwrap_or(0.001),
+        })
+    }
+
+    /// The q/k/v, o and MLP biases, as each family's transformers code has them.
+    fn biases(&self, model_type: &str, errs: &mut Vec<String>) -> (bool, bool, bool) {
+        let attention_bias = self.attention_bias.unwrap_or(false);
+        let (qkv_bias, o_bias) = match model_type {
+            // Qwen2's q/k/v always carry biases and its o never does; it has no such key.
+            "qwen2" => (true, false),
+            "mistral" | "mixtral" => {
+                if attention_bias {
+                    errs.push(format!(
+                        "attention_bias true: {model_type} attention has no biases in transformers, so this checkpoint is not a {model_type} one"
+                    ));
+                }
+                (false, false)
+            }
+            _ => (attention_bias, attention_bias),
+        };
+        (
+            qkv_bias,
+            o_bias,
+            model_type == "llama" && self.mlp_bias.unwrap_or(false),
+        )
     }
 
     /// The RoPE base and scaling, from `rope_parameters` (transformers ≥ 5) or the

@@ -75,61 +75,12 @@ fn all() -> &'static All {
     static ALL: OnceLock<All> = OnceLock::new();
     ALL.get_or_init(|| {
         let m: Meter = opentelemetry::global::meter("streamrl");
-        let seconds = |name: &'static str, what: &'static str| {
-            m.f64_histogram(name)
-                .with_unit("s")
-                .with_description(what)
-                .with_boundaries(SECONDS.to_vec())
-                .build()
-        };
         let replicas: Replicas = Arc::default();
-        // An observable counter over the registered replicas' counters: `read` gives each
-        // replica's values, with the `direction` they are for, if any.
-        let observed = |name: &'static str, unit: &'static str, what: &'static str, read: Reader| {
-            let replicas = replicas.clone();
-            m.u64_observable_counter(name)
-                .with_unit(unit)
-                .with_description(what)
-                .with_callback(move |o| {
-                    for (attrs, metrics) in replicas.lock().unwrap().iter() {
-                        for (direction, v) in read(metrics) {
-                            let v = v.load(Ordering::Relaxed);
-                            match direction {
-                                Some(d) => o.observe(v, &with(attrs, "direction", d)),
-                                None => o.observe(v, attrs),
-                            }
-                        }
-                    }
-                })
-                .build();
-        };
-        observed(
-            "streamrl.stage.messages",
-            "{message}",
-            "Messages a stage received (direction=in) or delivered (direction=out)",
-            |m| vec![(Some("in"), &m.in_messages), (Some("out"), &m.out_messages)],
-        );
-        observed(
-            "streamrl.stage.rows",
-            "{row}",
-            "Rows a stage received or delivered",
-            |m| vec![(Some("in"), &m.in_rows), (Some("out"), &m.out_rows)],
-        );
-        observed(
-            "streamrl.stage.errors",
-            "{error}",
-            "Stage errors (each retry counts)",
-            |m| vec![(None, &m.errors)],
-        );
-        observed(
-            "streamrl.stage.dead_letters",
-            "{message}",
-            "Messages sent to the dead-letter topic",
-            |m| vec![(None, &m.dead_lettered)],
-        );
+        observe_replicas(&m, &replicas);
         All {
             replicas,
             duration: seconds(
+                &m,
                 "streamrl.stage.duration",
                 "Time a stage spent processing one input message",
             ),
@@ -138,28 +89,25 @@ fn all() -> &'static All {
                 .with_unit("{record}")
                 .with_description("Input records the stage's consumer group has not committed")
                 .build(),
-            rollout_tokens: m
-                .u64_counter("streamrl.rollout.tokens")
-                .with_unit("{token}")
-                .with_description("Completion tokens generated")
-                .build(),
+            rollout_tokens: counter(&m, "streamrl.rollout.tokens", "{token}", "Completion tokens generated"),
             weight_sync: seconds(
+                &m,
                 "streamrl.rollout.weight_sync",
                 "Time from a version's publication on policy to this replica serving it",
             ),
-            executions: m
-                .u64_counter("streamrl.sandbox.executions")
-                .with_unit("{execution}")
-                .with_description("Sandbox executions by outcome status")
-                .build(),
-            execution_duration: seconds("streamrl.sandbox.duration", "Wall time of one sandbox execution"),
-            samples: m
-                .u64_counter("streamrl.train.samples")
-                .with_unit("{sample}")
-                .with_description(
-                    "Samples the trainer received, by outcome (trained, stale, filtered, duplicate, superseded)",
-                )
-                .build(),
+            executions: counter(
+                &m,
+                "streamrl.sandbox.executions",
+                "{execution}",
+                "Sandbox executions by outcome status",
+            ),
+            execution_duration: seconds(&m, "streamrl.sandbox.duration", "Wall time of one sandbox execution"),
+            samples: counter(
+                &m,
+                "streamrl.train.samples",
+                "{sample}",
+                "Samples the trainer received, by outcome (trained, stale, filtered, duplicate, superseded)",
+            ),
             staleness: m
                 .u64_histogram("streamrl.train.staleness")
                 .with_unit("{version}")
@@ -168,18 +116,81 @@ fn all() -> &'static All {
                 )
                 .with_boundaries(vec![0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0])
                 .build(),
-            train_tokens: m
-                .u64_counter("streamrl.train.tokens")
-                .with_unit("{token}")
-                .with_description("Tokens the trainer ran forward and backward")
-                .build(),
-            step_duration: seconds("streamrl.train.step.duration", "Wall time of one optimizer step"),
+            train_tokens: counter(
+                &m,
+                "streamrl.train.tokens",
+                "{token}",
+                "Tokens the trainer ran forward and backward",
+            ),
+            step_duration: seconds(&m, "streamrl.train.step.duration", "Wall time of one optimizer step"),
             value: m
                 .f64_gauge("streamrl.stage.value")
                 .with_description("The latest value of each metric row a stage writes on the metrics topic")
                 .build(),
         }
     })
+}
+
+/// A histogram of seconds ([`SECONDS`] buckets).
+fn seconds(m: &Meter, name: &'static str, what: &'static str) -> Histogram<f64> {
+    m.f64_histogram(name)
+        .with_unit("s")
+        .with_description(what)
+        .with_boundaries(SECONDS.to_vec())
+        .build()
+}
+
+/// A counter the instruments add to.
+fn counter(m: &Meter, name: &'static str, unit: &'static str, what: &'static str) -> Counter<u64> {
+    m.u64_counter(name).with_unit(unit).with_description(what).build()
+}
+
+/// The observable counters over the registered replicas' own counters: messages, rows,
+/// errors and dead letters.
+fn observe_replicas(m: &Meter, replicas: &Replicas) {
+    // `read` gives each replica's values, with the `direction` they are for, if any.
+    let observed = |name: &'static str, unit: &'static str, what: &'static str, read: Reader| {
+        let replicas = replicas.clone();
+        m.u64_observable_counter(name)
+            .with_unit(unit)
+            .with_description(what)
+            .with_callback(move |o| {
+                for (attrs, metrics) in replicas.lock().unwrap().iter() {
+                    for (direction, v) in read(metrics) {
+                        let v = v.load(Ordering::Relaxed);
+                        match direction {
+                            Some(d) => o.observe(v, &with(attrs, "direction", d)),
+                            None => o.observe(v, attrs),
+                        }
+                    }
+                }
+            })
+            .build();
+    };
+    observed(
+        "streamrl.stage.messages",
+        "{message}",
+        "Messages a stage received (direction=in) or delivered (direction=out)",
+        |m| vec![(Some("in"), &m.in_messages), (Some("out"), &m.out_messages)],
+    );
+    observed(
+        "streamrl.stage.rows",
+        "{row}",
+        "Rows a stage received or delivered",
+        |m| vec![(Some("in"), &m.in_rows), (Some("out"), &m.out_rows)],
+    );
+    observed(
+        "streamrl.stage.errors",
+        "{error}",
+        "Stage errors (each retry counts)",
+        |m| vec![(None, &m.errors)],
+    );
+    observed(
+        "streamrl.stage.dead_letters",
+        "{message}",
+        "Messages sent to the dead-letter topic",
+        |m| vec![(None, &m.dead_lettered)],
+    );
 }
 
 fn with(attrs: &[KeyValue; 2], key: &'static str, value: &str) -> [KeyValue; 3] {

@@ -160,6 +160,31 @@ fn build_root(cfg: &InitConfig) -> io::Result<()> {
     for d in ["dev", "proc", "work", "tmp", "etc", ".old"] {
         std::fs::create_dir_all(at(d))?;
     }
+    bind_host_paths(cfg, &at)?;
+    ctx(
+        sys::mount(
+            Some("proc"),
+            &at("proc"),
+            Some("proc"),
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            None,
+        ),
+        || "mount /proc".into(),
+    )?;
+    populate_dev(&at("dev"))?;
+    mount_scratch(cfg, &at("work"), &at("tmp"))?;
+    let owner = cfg.run_as.unwrap_or(0);
+    std::fs::write(
+        at("etc/passwd"),
+        format!("root:x:0:0::/:/bin/sh\nsandbox:x:{owner}:{owner}::/work:/bin/sh\n"),
+    )?;
+    std::fs::write(at("etc/group"), format!("root:x:0:\nsandbox:x:{owner}:\n"))?;
+    enter_root(staging, &at(".old"))
+}
+
+/// The host paths of `ro_binds`, bound read-only at the same place under the new root
+/// (`at`); a symlink is copied as a symlink, a path missing on the host is skipped.
+fn bind_host_paths(cfg: &InitConfig, at: &dyn Fn(&str) -> PathBuf) -> io::Result<()> {
     for host in &cfg.ro_binds {
         let hp = Path::new(host);
         let Ok(meta) = std::fs::symlink_metadata(hp) else {
@@ -180,41 +205,37 @@ fn build_root(cfg: &InitConfig) -> io::Result<()> {
         }
         bind_ro(hp, &target)?;
     }
-    ctx(
-        sys::mount(
-            Some("proc"),
-            &at("proc"),
-            Some("proc"),
-            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-            None,
-        ),
-        || "mount /proc".into(),
-    )?;
+    Ok(())
+}
+
+/// A minimal `/dev` at `dev`: null, zero, random and urandom bound from the host, the
+/// IPC namespace's message queues, and the fd/stdin/stdout/stderr links.
+fn populate_dev(dev: &Path) -> io::Result<()> {
     ctx(
         sys::mount(
             Some("tmpfs"),
-            &at("dev"),
+            dev,
             Some("tmpfs"),
             libc::MS_NOSUID | libc::MS_NOEXEC,
             Some("size=64k,mode=0755"),
         ),
         || "mount /dev".into(),
     )?;
-    for dev in ["null", "zero", "random", "urandom"] {
-        let t = at("dev").join(dev);
+    for name in ["null", "zero", "random", "urandom"] {
+        let t = dev.join(name);
         std::fs::write(&t, b"")?;
         ctx(
-            sys::mount(Some(&format!("/dev/{dev}")), &t, None, libc::MS_BIND, None),
-            || format!("bind /dev/{dev}"),
+            sys::mount(Some(&format!("/dev/{name}")), &t, None, libc::MS_BIND, None),
+            || format!("bind /dev/{name}"),
         )?;
     }
     // POSIX message queues of the sandbox's IPC namespace, listed so a reset can remove
     // them (SysV objects are found through /proc/sysvipc).
-    std::fs::create_dir(at("dev/mqueue"))?;
+    std::fs::create_dir(dev.join("mqueue"))?;
     ctx(
         sys::mount(
             Some("mqueue"),
-            &at("dev/mqueue"),
+            &dev.join("mqueue"),
             Some("mqueue"),
             libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
             None,
@@ -227,17 +248,15 @@ fn build_root(cfg: &InitConfig) -> io::Result<()> {
         ("stdout", "/proc/self/fd/1"),
         ("stderr", "/proc/self/fd/2"),
     ] {
-        std::os::unix::fs::symlink(target, at("dev").join(name))?;
+        std::os::unix::fs::symlink(target, dev.join(name))?;
     }
-    mount_scratch(cfg, &at("work"), &at("tmp"))?;
-    let owner = cfg.run_as.unwrap_or(0);
-    std::fs::write(
-        at("etc/passwd"),
-        format!("root:x:0:0::/:/bin/sh\nsandbox:x:{owner}:{owner}::/work:/bin/sh\n"),
-    )?;
-    std::fs::write(at("etc/group"), format!("root:x:0:\nsandbox:x:{owner}:\n"))?;
+    Ok(())
+}
 
-    ctx(sys::pivot_root(staging, &at(".old")), || "pivot_root".into())?;
+/// Makes `staging` the root (the old one detached from `old`), read-only, with its own
+/// host name.
+fn enter_root(staging: &Path, old: &Path) -> io::Result<()> {
+    ctx(sys::pivot_root(staging, old), || "pivot_root".into())?;
     std::env::set_current_dir("/")?;
     ctx(sys::umount2(Path::new("/.old"), libc::MNT_DETACH), || {
         "detach the old root".into()
@@ -596,22 +615,13 @@ fn spawn_spec(cfg: &InitConfig, req: &ExecRequest) -> io::Result<sys::SpawnSpec>
     })
 }
 
+/// How often the tree's CPU time is looked at.
+const CPU_CHECK: std::time::Duration = std::time::Duration::from_millis(50);
+
 fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
     let started = Instant::now();
     let cpu_before = sys::children_cpu_ms();
-    let mut raw = RawExec {
-        exit_code: None,
-        signal: None,
-        timed_out: false,
-        output_limit: None,
-        spawn_error: None,
-        stdout: String::new(),
-        stderr: String::new(),
-        wall_ms: 0.0,
-        cpu_ms: 0,
-        max_rss_bytes: 0,
-        reset_error: None,
-    };
+    let mut raw = RawExec::default();
     if req.argv.is_empty() {
         raw.spawn_error = Some("argv is empty".into());
         return raw;
@@ -628,28 +638,21 @@ fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
     };
     let pid = child.pid;
     let pidfd = sys::pidfd_open(pid).ok();
-    let mut cin = Some(std::fs::File::from(child.stdin));
-    let mut cout = std::fs::File::from(child.stdout);
-    let mut cerr = std::fs::File::from(child.stderr);
-    for fd in [cout.as_raw_fd(), cerr.as_raw_fd()]
-        .into_iter()
-        .chain(cin.as_ref().map(|c| c.as_raw_fd()))
-    {
-        let _ = sys::set_nonblocking(fd);
-    }
-    let mut written = 0usize;
-    if req.stdin.is_empty() {
-        cin = None; // EOF at once
-    }
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let (mut out_open, mut err_open) = (true, true);
+    // EOF at once when there is nothing to write.
+    let mut stdin = Feed::new(std::fs::File::from(child.stdin), !req.stdin.is_empty());
+    let mut out = Capture::new(std::fs::File::from(child.stdout), l.stdout_bytes, "stdout");
+    let mut err = Capture::new(std::fs::File::from(child.stderr), l.stderr_bytes, "stderr");
     let mut exit = None;
     let mut buf = vec![0u8; 64 << 10];
     let deadline = started + std::time::Duration::from_millis(l.wall_ms);
-    const CPU_CHECK: std::time::Duration = std::time::Duration::from_millis(50);
-    let mut next_cpu_check = started + CPU_CHECK;
-    let mut tree_cpu_over = false;
-    while exit.is_none() || out_open || err_open {
+    let mut watch = Watch {
+        deadline,
+        next_cpu_check: started + CPU_CHECK,
+        cpu_before,
+        cpu_limit_ms: l.cpu_secs.saturating_mul(1000),
+        tree_cpu_over: false,
+    };
+    while exit.is_none() || out.open || err.open {
         if exit.is_none() {
             exit = sys::try_wait(pid).ok().flatten();
             if exit.is_some() && !sys::reap_ended() {
@@ -658,40 +661,21 @@ fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
             }
         }
         let now = Instant::now();
-        if now >= deadline && !raw.timed_out && exit.is_none() {
-            raw.timed_out = true;
-            sys::kill_all();
+        if exit.is_none() {
+            watch.enforce(now, &mut raw);
         }
-        // `RLIMIT_CPU` binds each process; the limit is on the tree (six busy children
-        // must not get six times the CPU). Killed with SIGKILL over it, which the host
-        // reports as the CPU limit.
-        if exit.is_none() && !tree_cpu_over && now >= next_cpu_check {
-            next_cpu_check = now + CPU_CHECK;
-            if sys::tree_cpu_ms().saturating_sub(cpu_before) >= l.cpu_secs.saturating_mul(1000) {
-                tree_cpu_over = true;
-                sys::kill_all();
-            }
+        // Over a limit, drain what is buffered without waiting for more.
+        if (raw.output_limit.is_some() || raw.timed_out) && exit.is_some() {
+            break;
         }
-        if raw.output_limit.is_some() || raw.timed_out {
-            // Drain what is buffered without waiting for more.
-            if exit.is_some() {
-                break;
-            }
-        }
-        let mut fds = vec![];
-        if out_open {
-            fds.push((cout.as_raw_fd(), libc::POLLIN));
-        }
-        if err_open {
-            fds.push((cerr.as_raw_fd(), libc::POLLIN));
-        }
-        if let Some(c) = &cin {
-            fds.push((c.as_raw_fd(), libc::POLLOUT));
-        }
+        let mut fds: Vec<_> = [&out, &err]
+            .into_iter()
+            .filter(|c| c.open)
+            .map(|c| (c.file.as_raw_fd(), libc::POLLIN))
+            .collect();
+        fds.extend(stdin.fd().map(|fd| (fd, libc::POLLOUT)));
         let exit_fd = pidfd.as_ref().filter(|_| exit.is_none());
-        if let Some(p) = exit_fd {
-            fds.push((p.as_raw_fd(), libc::POLLIN));
-        }
+        fds.extend(exit_fd.map(|p| (p.as_raw_fd(), libc::POLLIN)));
         // With a pidfd, poll wakes at the exit; without one, look every 2 ms.
         // The tree's CPU time is looked at every 50 ms.
         let cap = if exit_fd.is_some() { CPU_CHECK.as_millis() } else { 2 };
@@ -705,58 +689,11 @@ fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
             continue;
         }
         let _ = sys::poll(&fds, wait);
-        if let Some(c) = &mut cin {
-            match c.write(&req.stdin[written..]) {
-                Ok(n) => {
-                    written += n;
-                    if written >= req.stdin.len() {
-                        cin = None;
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(_) => cin = None,
-            }
-        }
-        for (stream, open, acc, cap, name) in [
-            (
-                &mut cout as &mut dyn Read,
-                &mut out_open,
-                &mut out,
-                l.stdout_bytes,
-                "stdout",
-            ),
-            (
-                &mut cerr as &mut dyn Read,
-                &mut err_open,
-                &mut err,
-                l.stderr_bytes,
-                "stderr",
-            ),
-        ] {
-            if !*open {
-                continue;
-            }
-            loop {
-                match stream.read(&mut buf) {
-                    Ok(0) => {
-                        *open = false;
-                        break;
-                    }
-                    Ok(n) => {
-                        let room = (cap as usize).saturating_sub(acc.len());
-                        acc.extend_from_slice(&buf[..n.min(room)]);
-                        if n > room && raw.output_limit.is_none() {
-                            raw.output_limit = Some(name.to_string());
-                            sys::kill_all();
-                        }
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(_) => {
-                        *open = false;
-                        break;
-                    }
-                }
+        stdin.write(&req.stdin);
+        for c in [&mut out, &mut err] {
+            if c.read(&mut buf) && raw.output_limit.is_none() {
+                raw.output_limit = Some(c.name.to_string());
+                sys::kill_all();
             }
         }
     }
@@ -766,10 +703,119 @@ fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
     let exit = exit.expect("loop ends after the exit");
     raw.exit_code = exit.code;
     raw.signal = exit.signal;
-    raw.stdout = String::from_utf8_lossy(&out).into_owned();
-    raw.stderr = String::from_utf8_lossy(&err).into_owned();
+    raw.stdout = String::from_utf8_lossy(&out.data).into_owned();
+    raw.stderr = String::from_utf8_lossy(&err.data).into_owned();
     raw.wall_ms = started.elapsed().as_secs_f64() * 1e3;
     raw.cpu_ms = sys::children_cpu_ms().saturating_sub(cpu_before).max(exit.cpu_ms);
     raw.max_rss_bytes = exit.max_rss_bytes;
     raw
+}
+
+/// The wall-clock and tree-CPU limits of a running command.
+struct Watch {
+    deadline: Instant,
+    next_cpu_check: Instant,
+    cpu_before: u64,
+    cpu_limit_ms: u64,
+    tree_cpu_over: bool,
+}
+
+impl Watch {
+    /// Kills the tree once the command is past its wall-clock deadline (recorded as timed
+    /// out) or its tree's CPU time.
+    fn enforce(&mut self, now: Instant, raw: &mut RawExec) {
+        if now >= self.deadline && !raw.timed_out {
+            raw.timed_out = true;
+            sys::kill_all();
+        }
+        // `RLIMIT_CPU` binds each process; the limit is on the tree (six busy children
+        // must not get six times the CPU). Killed with SIGKILL over it, which the host
+        // reports as the CPU limit.
+        if !self.tree_cpu_over && now >= self.next_cpu_check {
+            self.next_cpu_check = now + CPU_CHECK;
+            if sys::tree_cpu_ms().saturating_sub(self.cpu_before) >= self.cpu_limit_ms {
+                self.tree_cpu_over = true;
+                sys::kill_all();
+            }
+        }
+    }
+}
+
+/// The command's stdin (non-blocking) and how much of the request's input it has taken.
+struct Feed {
+    file: Option<std::fs::File>,
+    written: usize,
+}
+
+impl Feed {
+    fn new(file: std::fs::File, anything: bool) -> Self {
+        let _ = sys::set_nonblocking(file.as_raw_fd());
+        Feed {
+            file: anything.then_some(file),
+            written: 0,
+        }
+    }
+
+    /// The pipe to poll for room, while there is something left to write.
+    fn fd(&self) -> Option<std::os::fd::RawFd> {
+        self.file.as_ref().map(|f| f.as_raw_fd())
+    }
+
+    /// Writes what the pipe takes of the rest of `input`; closes it at the end (EOF) or
+    /// when the command stopped reading.
+    fn write(&mut self, input: &[u8]) {
+        let Some(f) = &mut self.file else { return };
+        match f.write(&input[self.written..]) {
+            Ok(n) => {
+                self.written += n;
+                if self.written >= input.len() {
+                    self.file = None;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(_) => self.file = None,
+        }
+    }
+}
+
+/// One output stream of the command (non-blocking), kept up to its cap.
+struct Capture {
+    file: std::fs::File,
+    open: bool,
+    data: Vec<u8>,
+    cap: usize,
+    name: &'static str,
+}
+
+impl Capture {
+    fn new(file: std::fs::File, cap: u64, name: &'static str) -> Self {
+        let _ = sys::set_nonblocking(file.as_raw_fd());
+        Capture {
+            file,
+            open: true,
+            data: Vec::new(),
+            cap: cap as usize,
+            name,
+        }
+    }
+
+    /// Reads everything available now (closed at EOF); whether the stream went past its
+    /// cap (what is past it is dropped).
+    fn read(&mut self, buf: &mut [u8]) -> bool {
+        let mut over = false;
+        while self.open {
+            match self.file.read(buf) {
+                Ok(0) => self.open = false,
+                Ok(n) => {
+                    let room = self.cap.saturating_sub(self.data.len());
+                    self.data.extend_from_slice(&buf[..n.min(room)]);
+                    over |= n > room;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => self.open = false,
+            }
+        }
+        over
+    }
 }

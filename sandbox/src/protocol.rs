@@ -268,7 +268,7 @@ pub enum Response {
 }
 
 /// What the init observed about one command.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct RawExec {
     /// Exit code.
     pub exit_code: Option<i32>,

@@ -89,7 +89,18 @@ pub fn generate(tokens: usize, presets: &[String]) -> Result<()> {
             ))
         })
         .collect::<Result<_>>()?;
-    for (preset, m) in &models {
+    fixed_batches(tokens, &models)?;
+    let models: Vec<(&str, Transformer)> = models.into_iter().filter(|(p, _)| !large(p)).collect();
+    if !models.is_empty() {
+        mixed_workloads(&models)?;
+    }
+    hf_comparison(tokens)
+}
+
+/// Batches of 1, 32 and 128 equal requests: decode tokens/s against recomputing every
+/// sequence in full.
+fn fixed_batches(tokens: usize, models: &[(&str, Transformer)]) -> Result<()> {
+    for (preset, m) in models {
         let batches: &[usize] = if large(preset) { &[1, 32] } else { &[1, 32, 128] };
         for &batch in batches {
             let requests: Vec<_> = (0..batch).map(|b| (prompt(b), tokens)).collect();
@@ -115,11 +126,12 @@ pub fn generate(tokens: usize, presets: &[String]) -> Result<()> {
     println!();
     println!("Baseline: greedy decoding that recomputes every sequence in full each step (no KV cache), same process.");
     println!();
-    let models: Vec<(&str, Transformer)> = models.into_iter().filter(|(p, _)| !large(p)).collect();
-    if models.is_empty() {
-        return Ok(());
-    }
+    Ok(())
+}
 
+/// 256 requests of mixed lengths, 32 at a time: continuous batching against static
+/// batches and against the engine draining each batch before admitting the next.
+fn mixed_workloads(models: &[(&str, Transformer)]) -> Result<()> {
     // Mixed lengths: 256 requests, max_tokens 8..=80 (10×), 32 sequences at a time, in two
     // shapes: spread evenly, and log-uniform (most short, a few long, as RL completions).
     let (n, slots) = (256usize, 32usize);
@@ -152,7 +164,7 @@ pub fn generate(tokens: usize, presets: &[String]) -> Result<()> {
         // continuous batching can gain when a token costs the same in any batch.
         let padded: usize = lens.chunks(slots).map(|c| c.len() * c.iter().max().unwrap_or(&0)).sum();
         let bound = (padded + n * PROMPT) as f64 / (useful + n * PROMPT) as f64;
-        for (preset, m) in &models {
+        for (preset, m) in models {
             let cpu = CpuModel::new(m)?;
             static_batches(&cpu, &requests[..slots], slots)?; // warm-up
             // Three alternating rounds; each column is the median (one round on a shared
@@ -170,17 +182,8 @@ pub fn generate(tokens: usize, presets: &[String]) -> Result<()> {
                 // Static: batches of `slots` in arrival order, each decoded until its longest
                 // is done, through the same kernels.
                 stat.push(static_batches(&cpu, &requests, slots)?);
-                // The engine admitting a new batch only once the previous one has drained.
-                let mut e = engine(m, slots);
-                let t0 = Instant::now();
-                for chunk in requests.chunks(slots) {
-                    for (i, (p, l)) in chunk.iter().enumerate() {
-                        e.add(p.clone(), params(i as u64, *l, 1.0))?;
-                    }
-                    e.run_to_completion()?;
-                }
-                drained.push(t0.elapsed().as_secs_f64());
-                let sd = e.stats();
+                let (secs, sd) = drained_batches(m, &requests, slots)?;
+                drained.push(secs);
                 batch_d = sd.batch_rows as f64 / sd.decode_steps.max(1) as f64;
             }
             let (cont, stat, drained) = (median(cont), median(stat), median(drained));
@@ -204,7 +207,21 @@ pub fn generate(tokens: usize, presets: &[String]) -> Result<()> {
     println!("tokens + prompts); batch c/d = mean decode batch, continuous / drained;");
     println!("each time the median of 3 alternating rounds.");
     println!();
-    hf_comparison(tokens)
+    Ok(())
+}
+
+/// The engine admitting a new batch only once the previous one has drained: seconds and
+/// the engine's counters.
+fn drained_batches(m: &Transformer, requests: &[(Vec<u32>, usize)], slots: usize) -> Result<(f64, EngineStats)> {
+    let mut e = engine(m, slots);
+    let t0 = Instant::now();
+    for chunk in requests.chunks(slots) {
+        for (i, (p, l)) in chunk.iter().enumerate() {
+            e.add(p.clone(), params(i as u64, *l, 1.0))?;
+        }
+        e.run_to_completion()?;
+    }
+    Ok((t0.elapsed().as_secs_f64(), e.stats()))
 }
 
 /// Static batching on the CPU kernels: each batch is prefilled in one forward and then

@@ -12,14 +12,14 @@
 //! the cores are full.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use streamrl_envs::{Environment, Split};
-use streamrl_runtime::bus::{self, Bus, Record};
+use streamrl_runtime::bus::{self, Bus, Message, Record};
 use streamrl_runtime::topology::Topology;
 use streamrl_schemas::codec::{self, Compression};
 use streamrl_schemas::{ExecutedRow, Headers, RolloutRow, SchemaId, TopicRow};
@@ -232,8 +232,55 @@ async fn round(
         .subscribe(&format!("bench-scale-reader-{id}"), std::slice::from_ref(&executed))
         .await?;
 
-    let exe = std::env::current_exe()?;
     let logs: Vec<_> = (0..n).map(|i| dir.join(format!("logs/sandbox-{i}.log"))).collect();
+    let mut children = start_replicas(bus_url, &topo_path, &logs)?;
+    wait_settled(&mut children, &logs).await?;
+
+    let t0 = Instant::now();
+    publish(bus, &rollouts, work).await?;
+    let want = work.len() * GROUP_SIZE as usize;
+    let mut tally = Tally::default();
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while tally.per_rollout.len() < want {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let m = match tokio::time::timeout(left, reader.recv()).await {
+            Ok(m) => m?,
+            Err(_) => bail!(
+                "only {} of {want} rollouts executed within 600 s",
+                tally.per_rollout.len()
+            ),
+        };
+        reader.ack(&m.id())?;
+        tally.add(&m, false)?;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    // Late duplicates would arrive right behind: read on while the topic stays quiet.
+    while let Ok(m) = tokio::time::timeout(Duration::from_secs(2), reader.recv()).await {
+        tally.add(&m?, true)?;
+    }
+    let parts: Vec<String> = logs.iter().map(|l| owned(l)).collect();
+    reader.close().await?;
+    drop(children);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(Round {
+        replicas: n,
+        secs,
+        executed: tally.rows,
+        distinct: tally.per_rollout.len(),
+        passed: tally.passed,
+        per_replica: (0..n)
+            .map(|i| {
+                let k = format!("sandbox-{i}");
+                let count = tally.per_replica.get(&k).copied().unwrap_or(0);
+                (k, (count, parts[i as usize].split_whitespace().count().to_string()))
+            })
+            .collect(),
+    })
+}
+
+/// One `streamrl stage sandbox` process per log file, on the round's topology.
+fn start_replicas(bus_url: &str, topo_path: &Path, logs: &[PathBuf]) -> Result<Replicas> {
+    let exe = std::env::current_exe()?;
     let mut children = Replicas(Vec::new());
     for (i, log) in logs.iter().enumerate() {
         let f = std::fs::File::create(log)?;
@@ -248,7 +295,7 @@ async fn round(
                     bus_url,
                     "--topology",
                 ])
-                .arg(&topo_path)
+                .arg(topo_path)
                 .env("STREAMRL_SET", "")
                 .env("RUST_LOG", "info")
                 .stdin(Stdio::null())
@@ -258,8 +305,13 @@ async fn round(
                 .context("starting a sandbox replica")?,
         );
     }
-    // The group has settled when every replica owns some partitions and together they own
-    // all of them.
+    Ok(children)
+}
+
+/// Waits until the replicas' group has settled: every replica owns some partitions and
+/// together they own all of them.
+async fn wait_settled(children: &mut Replicas, logs: &[PathBuf]) -> Result<()> {
+    let n = logs.len();
     let settle = Instant::now() + Duration::from_secs(120);
     loop {
         let parts: Vec<String> = logs.iter().map(|l| owned(l)).collect();
@@ -280,67 +332,51 @@ async fn round(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    Ok(())
+}
 
+/// Sends every group of `work` to `topic`, keyed by group, and waits for the broker.
+async fn publish(bus: &Arc<dyn Bus>, topic: &str, work: &[Vec<RolloutRow>]) -> Result<()> {
     let producer = bus.producer("bench-scale").await?;
-    let t0 = Instant::now();
     let mut pending = Vec::new();
     for group in work {
         let payload = codec::encode(&RolloutRow::to_batch(group)?, Compression::Zstd)?;
         let rec = Record::new(payload)
             .with_key(group[0].group_id.clone())
             .with_headers(Headers::data(SchemaId::Rollouts, "bench-scale").to_wire());
-        pending.push(producer.send(&rollouts, rec).await?);
+        pending.push(producer.send(topic, rec).await?);
     }
     for p in pending {
         p.await?;
     }
-    let want = work.len() * GROUP_SIZE as usize;
-    let mut per_rollout: HashMap<String, usize> = HashMap::new();
-    let mut per_replica: BTreeMap<String, usize> = BTreeMap::new();
-    let (mut rows, mut passed) = (0, 0);
-    let deadline = Instant::now() + Duration::from_secs(600);
-    while per_rollout.len() < want {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let m = match tokio::time::timeout(left, reader.recv()).await {
-            Ok(m) => m?,
-            Err(_) => bail!("only {} of {want} rollouts executed within 600 s", per_rollout.len()),
-        };
-        reader.ack(&m.id())?;
+    Ok(())
+}
+
+/// What came back on `executed`: rows, rows whose tests all passed, rows per rollout and
+/// per producing replica.
+#[derive(Default)]
+struct Tally {
+    rows: usize,
+    passed: usize,
+    per_rollout: HashMap<String, usize>,
+    per_replica: BTreeMap<String, usize>,
+}
+
+impl Tally {
+    /// Counts a message's rows (a late one, after the round's time was taken: only as
+    /// rows and per rollout, to see duplicates).
+    fn add(&mut self, m: &Message, late: bool) -> Result<()> {
         let h = Headers::from_wire(&m.headers)?;
         let batch = codec::decode(SchemaId::Executed, &m.headers, &m.payload)?;
         for r in ExecutedRow::from_batch(&batch)? {
-            rows += 1;
-            passed += usize::from(r.exec_status == "ok" && r.tests_total > 0 && r.tests_passed == r.tests_total);
-            *per_rollout.entry(r.rollout_id).or_default() += 1;
-            *per_replica.entry(h.producer.clone()).or_default() += 1;
+            self.rows += 1;
+            *self.per_rollout.entry(r.rollout_id.clone()).or_default() += 1;
+            if !late {
+                self.passed +=
+                    usize::from(r.exec_status == "ok" && r.tests_total > 0 && r.tests_passed == r.tests_total);
+                *self.per_replica.entry(h.producer.clone()).or_default() += 1;
+            }
         }
+        Ok(())
     }
-    let secs = t0.elapsed().as_secs_f64();
-    // Late duplicates would arrive right behind: read on while the topic stays quiet.
-    while let Ok(m) = tokio::time::timeout(Duration::from_secs(2), reader.recv()).await {
-        let m = m?;
-        let batch = codec::decode(SchemaId::Executed, &m.headers, &m.payload)?;
-        for r in ExecutedRow::from_batch(&batch)? {
-            rows += 1;
-            *per_rollout.entry(r.rollout_id).or_default() += 1;
-        }
-    }
-    let parts: Vec<String> = logs.iter().map(|l| owned(l)).collect();
-    reader.close().await?;
-    drop(children);
-    let _ = std::fs::remove_dir_all(&dir);
-    Ok(Round {
-        replicas: n,
-        secs,
-        executed: rows,
-        distinct: per_rollout.len(),
-        passed,
-        per_replica: (0..n)
-            .map(|i| {
-                let k = format!("sandbox-{i}");
-                let count = per_replica.get(&k).copied().unwrap_or(0);
-                (k, (count, parts[i as usize].split_whitespace().count().to_string()))
-            })
-            .collect(),
-    })
 }

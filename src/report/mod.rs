@@ -135,12 +135,12 @@ const COLORS: [&str; 4] = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
 
 /// A line (or bar) chart with axes, ticks and a legend, as shapes for SVG and PNG.
 fn chart(title: &str, data: &Series, bars: bool) -> Scene {
-    let (w, h, l, r, t, b) = (720.0, 360.0, 70.0, 20.0, 40.0, 50.0);
     let pts: Vec<(f64, f64)> = data
         .iter()
         .flat_map(|(_, v)| v.iter().copied())
         .filter(|p| p.1.is_finite())
         .collect();
+    let (w, h) = (720.0, 360.0);
     let mut s = Scene::new(w, h);
     s.push(Shape::Text {
         x: w / 2.0,
@@ -159,76 +159,126 @@ fn chart(title: &str, data: &Series, bars: bool) -> Scene {
         });
         return s;
     }
-    let (mut x0, mut x1) = pts
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
-    let (mut y0, mut y1) = pts
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
-    if bars {
-        y0 = y0.min(0.0);
-        x0 -= 0.5;
-        x1 += 0.5;
-    }
-    if x1 <= x0 {
-        x1 = x0 + 1.0;
-    }
-    if y1 <= y0 {
-        y1 = y0 + 1.0;
-    }
-    let sx = |x: f64| l + (x - x0) / (x1 - x0) * (w - l - r);
-    let sy = |y: f64| h - b - (y - y0) / (y1 - y0) * (h - t - b);
-    for i in 0..=4 {
-        let (fx, fy) = (x0 + (x1 - x0) * i as f64 / 4.0, y0 + (y1 - y0) * i as f64 / 4.0);
-        s.push(Shape::Line {
-            x1: l,
-            y1: sy(fy),
-            x2: w - r,
-            y2: sy(fy),
-            color: "#ddd",
-            width: 1.0,
-        });
-        s.push(Shape::Text {
-            x: sx(fx),
-            y: h - b + 18.0,
-            size: 12.0,
-            anchor: "middle",
-            text: tick(fx),
-        });
-        s.push(Shape::Text {
-            x: l - 6.0,
-            y: sy(fy) + 4.0,
-            size: 12.0,
-            anchor: "end",
-            text: tick(fy),
-        });
-    }
-    s.push(Shape::Line {
-        x1: l,
-        y1: h - b,
-        x2: w - r,
-        y2: h - b,
-        color: "#000",
-        width: 1.0,
-    });
-    s.push(Shape::Line {
-        x1: l,
-        y1: t,
-        x2: l,
-        y2: h - b,
-        color: "#000",
-        width: 1.0,
-    });
+    let frame = Frame::new(w, h, &pts, bars);
+    frame.axes(&mut s);
     for (k, (name, v)) in data.iter().enumerate() {
+        frame.series(&mut s, k, name, v, bars);
+    }
+    s
+}
+
+/// The plot area of a chart and the data ranges it shows.
+struct Frame {
+    /// Width and height of the picture.
+    w: f64,
+    h: f64,
+    /// Margins: left, right, top, bottom.
+    l: f64,
+    r: f64,
+    t: f64,
+    b: f64,
+    /// Data ranges on x and y.
+    x0: f64,
+    x1: f64,
+    y0: f64,
+    y1: f64,
+}
+
+impl Frame {
+    /// A frame fitting `pts` (bars: with room for the first and last bar, from y = 0).
+    fn new(w: f64, h: f64, pts: &[(f64, f64)], bars: bool) -> Self {
+        let (mut x0, mut x1) = pts
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
+        let (mut y0, mut y1) = pts
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
+        if bars {
+            y0 = y0.min(0.0);
+            x0 -= 0.5;
+            x1 += 0.5;
+        }
+        if x1 <= x0 {
+            x1 = x0 + 1.0;
+        }
+        if y1 <= y0 {
+            y1 = y0 + 1.0;
+        }
+        let (l, r, t, b) = (70.0, 20.0, 40.0, 50.0);
+        Frame {
+            w,
+            h,
+            l,
+            r,
+            t,
+            b,
+            x0,
+            x1,
+            y0,
+            y1,
+        }
+    }
+
+    fn sx(&self, x: f64) -> f64 {
+        self.l + (x - self.x0) / (self.x1 - self.x0) * (self.w - self.l - self.r)
+    }
+
+    fn sy(&self, y: f64) -> f64 {
+        self.h - self.b - (y - self.y0) / (self.y1 - self.y0) * (self.h - self.t - self.b)
+    }
+
+    /// Grid lines, tick labels and the two axes.
+    fn axes(&self, s: &mut Scene) {
+        let (w, h, l, r, t, b) = (self.w, self.h, self.l, self.r, self.t, self.b);
+        for i in 0..=4 {
+            let fx = self.x0 + (self.x1 - self.x0) * i as f64 / 4.0;
+            let fy = self.y0 + (self.y1 - self.y0) * i as f64 / 4.0;
+            s.push(Shape::Line {
+                x1: l,
+                y1: self.sy(fy),
+                x2: w - r,
+                y2: self.sy(fy),
+                color: "#ddd",
+                width: 1.0,
+            });
+            s.push(Shape::Text {
+                x: self.sx(fx),
+                y: h - b + 18.0,
+                size: 12.0,
+                anchor: "middle",
+                text: tick(fx),
+            });
+            s.push(Shape::Text {
+                x: l - 6.0,
+                y: self.sy(fy) + 4.0,
+                size: 12.0,
+                anchor: "end",
+                text: tick(fy),
+            });
+        }
+        for (x1, y1, x2, y2) in [(l, h - b, w - r, h - b), (l, t, l, h - b)] {
+            s.push(Shape::Line {
+                x1,
+                y1,
+                x2,
+                y2,
+                color: "#000",
+                width: 1.0,
+            });
+        }
+    }
+
+    /// The `k`-th series (bars or a polyline) and its legend entry.
+    fn series(&self, s: &mut Scene, k: usize, name: &str, v: &[(f64, f64)], bars: bool) {
         let color = COLORS[k % COLORS.len()];
         if bars {
-            let bw = ((w - l - r) / (x1 - x0) * 0.8).max(1.0);
+            let bw = ((self.w - self.l - self.r) / (self.x1 - self.x0) * 0.8).max(1.0);
             for &(x, y) in v.iter().filter(|p| p.1.is_finite()) {
                 s.push(Shape::Rect {
-                    x: sx(x) - bw / 2.0,
-                    y: sy(y),
+                    x: self.sx(x) - bw / 2.0,
+                    y: self.sy(y),
                     w: bw,
-                    h: (sy(y0) - sy(y)).max(0.0),
+                    h: (self.sy(self.y0) - self.sy(y)).max(0.0),
                     color,
                 });
             }
@@ -236,7 +286,7 @@ fn chart(title: &str, data: &Series, bars: bool) -> Scene {
             let points = v
                 .iter()
                 .filter(|p| p.1.is_finite())
-                .map(|&(x, y)| (sx(x), sy(y)))
+                .map(|&(x, y)| (self.sx(x), self.sy(y)))
                 .collect();
             s.push(Shape::Polyline {
                 points,
@@ -245,21 +295,20 @@ fn chart(title: &str, data: &Series, bars: bool) -> Scene {
             });
         }
         s.push(Shape::Rect {
-            x: l + 10.0 + 150.0 * k as f64,
-            y: t - 8.0,
+            x: self.l + 10.0 + 150.0 * k as f64,
+            y: self.t - 8.0,
             w: 10.0,
             h: 10.0,
             color,
         });
         s.push(Shape::Text {
-            x: l + 24.0 + 150.0 * k as f64,
-            y: t + 1.0,
+            x: self.l + 24.0 + 150.0 * k as f64,
+            y: self.t + 1.0,
             size: 12.0,
             anchor: "start",
-            text: name.clone(),
+            text: name.to_string(),
         });
     }
-    s
 }
 
 fn tick(v: f64) -> String {

@@ -249,7 +249,41 @@ impl Stage for SandboxStage {
             })?;
             plans.push(plan(env, r));
         }
-        // Execute what needs executing, at most max_concurrency at once.
+        let results = self.execute(&plans).await?;
+        let (mut exec_rows, mut cont_rows) = (Vec::new(), Vec::new());
+        for ((r, p), res) in rollouts.into_iter().zip(plans).zip(results) {
+            match p {
+                Plan::Skip(note) => exec_rows.push(executed(r, "skipped", None, (0, 0), note)),
+                Plan::Refuse(why) => exec_rows.push(executed(r, "internal_error", None, (0, 0), Some(why))),
+                Plan::Run(ex) => {
+                    let res = res.expect("ran");
+                    let tests = ex.report(&res.stdout).unwrap_or((0, 0));
+                    exec_rows.push(executed(r, res.status.as_str(), Some(&res), tests, None));
+                }
+                Plan::Tool(call, _) => cont_rows.push(self.continuation(r, call, &res.expect("ran"))),
+            }
+        }
+        if !exec_rows.is_empty() {
+            out.emit(
+                self.executed.clone(),
+                ExecutedRow::to_batch(&exec_rows).map_err(|e| StageError::internal(e.to_string()))?,
+            );
+        }
+        if !cont_rows.is_empty() {
+            let topic = self.continuations.clone().expect("checked at build");
+            out.emit(
+                topic,
+                ContinuationRow::to_batch(&cont_rows).map_err(|e| StageError::internal(e.to_string()))?,
+            );
+        }
+        Ok(())
+    }
+}
+
+impl SandboxStage {
+    /// Runs every plan that executes something, at most `max_concurrency` at once; each
+    /// plan's result (`None`: nothing to run), its duration recorded per status.
+    async fn execute(&self, plans: &[Plan]) -> Result<Vec<Option<ExecResult>>, StageError> {
         let mut results: Vec<Option<ExecResult>> = vec![None; plans.len()];
         let mut took = vec![Duration::ZERO; plans.len()];
         let sem = Arc::new(tokio::sync::Semaphore::new(self.cfg.max_concurrency));
@@ -282,7 +316,6 @@ impl Stage for SandboxStage {
             results[i] = Some(r);
             took[i] = d;
         }
-        let instruments = &self.instruments;
         for (p, (r, d)) in plans.iter().zip(results.iter().zip(&took)) {
             let status = match (p, r) {
                 (Plan::Skip(_), _) => "skipped",
@@ -290,53 +323,28 @@ impl Stage for SandboxStage {
                 (_, Some(r)) => r.status.as_str(),
                 (_, None) => continue,
             };
-            instruments.sandbox_execution(status, *d);
+            self.instruments.sandbox_execution(status, *d);
         }
-        let (mut exec_rows, mut cont_rows) = (Vec::new(), Vec::new());
-        for ((r, p), res) in rollouts.into_iter().zip(plans).zip(results) {
-            match p {
-                Plan::Skip(note) => exec_rows.push(executed(r, "skipped", None, (0, 0), note)),
-                Plan::Refuse(why) => exec_rows.push(executed(r, "internal_error", None, (0, 0), Some(why))),
-                Plan::Run(ex) => {
-                    let res = res.expect("ran");
-                    let tests = ex.report(&res.stdout).unwrap_or((0, 0));
-                    exec_rows.push(executed(r, res.status.as_str(), Some(&res), tests, None));
-                }
-                Plan::Tool(call, _) => {
-                    let res = res.expect("ran");
-                    let env = self.envs.get(&r.env).expect("planned with it");
-                    let t = env.tools().expect("a tool plan");
-                    let output = ToolOutput {
-                        call_id: call.id.clone(),
-                        name: call.name.clone(),
-                        output: t.render(&res.stdout, &res.stderr, res.status.as_str()),
-                        status: res.status.as_str().to_string(),
-                    };
-                    let mut r = r;
-                    r.tool_calls = vec![call];
-                    cont_rows.push(trajectory_into!(
-                        r,
-                        ContinuationRow {
-                            tool_outputs: vec![output],
-                            created_at: now_ms(),
-                        }
-                    ));
-                }
+        Ok(results)
+    }
+
+    /// The trajectory `r` continued by the output of its tool `call`.
+    fn continuation(&self, mut r: RolloutRow, call: ToolCall, res: &ExecResult) -> ContinuationRow {
+        let env = self.envs.get(&r.env).expect("planned with it");
+        let t = env.tools().expect("a tool plan");
+        let output = ToolOutput {
+            call_id: call.id.clone(),
+            name: call.name.clone(),
+            output: t.render(&res.stdout, &res.stderr, res.status.as_str()),
+            status: res.status.as_str().to_string(),
+        };
+        r.tool_calls = vec![call];
+        trajectory_into!(
+            r,
+            ContinuationRow {
+                tool_outputs: vec![output],
+                created_at: now_ms(),
             }
-        }
-        if !exec_rows.is_empty() {
-            out.emit(
-                self.executed.clone(),
-                ExecutedRow::to_batch(&exec_rows).map_err(|e| StageError::internal(e.to_string()))?,
-            );
-        }
-        if !cont_rows.is_empty() {
-            let topic = self.continuations.clone().expect("checked at build");
-            out.emit(
-                topic,
-                ContinuationRow::to_batch(&cont_rows).map_err(|e| StageError::internal(e.to_string()))?,
-            );
-        }
-        Ok(())
+        )
     }
 }
