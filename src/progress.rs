@@ -110,6 +110,57 @@ impl Summary {
     }
 }
 
+impl Summary {
+    /// Takes in one `metrics` message, `secs` into the run: the held-out accuracy of
+    /// version 0, or a trainer step's metrics (printed as one line unless `quiet`).
+    fn record(&mut self, rows: &[MetricRow], secs: f64, max_steps: Option<u64>, quiet: bool) {
+        // The held-out accuracy of version 0 arrives on its own, before step 1.
+        if let Some(h) = rows.iter().find(|r| r.name == name::HELDOUT_ACCURACY && r.step == 0) {
+            self.heldout.insert(0, h.value);
+            if !quiet {
+                eprintln!("step    0 held-out accuracy {:.1}%", h.value * 100.0);
+            }
+        }
+        let Some(step) = rows.iter().find(|r| r.name == name::STEP_SECONDS).map(|r| r.step) else {
+            return;
+        };
+        self.at.insert(step, secs);
+        let e = self.steps.entry(step).or_default();
+        for r in rows.iter().filter(|r| r.step == step) {
+            e.insert(r.name.clone(), r.value);
+        }
+        let g = |k: &str| e.get(k).copied().unwrap_or(0.0);
+        let stale: Vec<String> = e
+            .iter()
+            .filter_map(|(k, v)| k.strip_prefix(name::STALENESS_PREFIX).map(|s| format!("{s}:{v}")))
+            .collect();
+        let heldout = e.get(name::HELDOUT_ACCURACY).copied();
+        let line = format!(
+            "step {step:>4}{} reward {:.3} loss {:+.4} entropy {:.3} kl {:.4} masked {:.3}/{:.3} trained {:>3}/{:<3} staleness [{}] {:.2} s/step {secs:.0} s{}",
+            max_steps.map(|m| format!("/{m}")).unwrap_or_default(),
+            g(name::REWARD_MEAN),
+            g(name::LOSS),
+            g(name::ENTROPY),
+            g(name::MISMATCH_KL),
+            g(name::MASKED_LOW),
+            g(name::MASKED_HIGH),
+            g(name::SAMPLES_TRAINED),
+            g(name::SAMPLES),
+            stale.join(" "),
+            g(name::STEP_SECONDS),
+            heldout
+                .map(|h| format!(" held-out {:.1}%", h * 100.0))
+                .unwrap_or_default()
+        );
+        if let Some(h) = heldout {
+            self.heldout.insert(step, h);
+        }
+        if !quiet {
+            eprintln!("{line}");
+        }
+    }
+}
+
 /// Watches the run's policy and metrics topics.
 pub struct Watcher {
     task: tokio::task::JoinHandle<Summary>,
@@ -159,42 +210,7 @@ impl Watcher {
                         let Ok(m) = m else { break };
                         let Ok(b) = codec::decode(SchemaId::Metrics, &m.headers, &m.payload) else { continue };
                         let Ok(rows) = MetricRow::from_batch(&b) else { continue };
-                        // The held-out accuracy of version 0 arrives on its own, before step 1.
-                        if let Some(h) = rows.iter().find(|r| r.name == name::HELDOUT_ACCURACY && r.step == 0) {
-                            summary.heldout.insert(0, h.value);
-                            if !quiet {
-                                eprintln!("step    0 held-out accuracy {:.1}%", h.value * 100.0);
-                            }
-                        }
-                        let trainer: Vec<&MetricRow> = rows.iter().filter(|r| r.name == name::STEP_SECONDS).collect();
-                        if trainer.is_empty() {
-                            continue;
-                        }
-                        let step = trainer[0].step;
-                        summary.at.insert(step, t0.elapsed().as_secs_f64());
-                        let e = summary.steps.entry(step).or_default();
-                        for r in rows.iter().filter(|r| r.step == step) {
-                            e.insert(r.name.clone(), r.value);
-                        }
-                        let g = |k: &str| e.get(k).copied().unwrap_or(0.0);
-                        let stale: Vec<String> = e
-                            .iter()
-                            .filter_map(|(k, v)| k.strip_prefix(name::STALENESS_PREFIX).map(|s| format!("{s}:{v}")))
-                            .collect();
-                        let heldout = e.get(name::HELDOUT_ACCURACY).copied();
-                        if let Some(h) = heldout {
-                            summary.heldout.insert(step, h);
-                        }
-                        if quiet {
-                            continue;
-                        }
-                        eprintln!(
-                            "step {step:>4}{} reward {:.3} loss {:+.4} entropy {:.3} kl {:.4} masked {:.3}/{:.3} trained {:>3}/{:<3} staleness [{}] {:.2} s/step {:.0} s{}",
-                            max_steps.map(|m| format!("/{m}")).unwrap_or_default(),
-                            g(name::REWARD_MEAN), g(name::LOSS), g(name::ENTROPY), g(name::MISMATCH_KL), g(name::MASKED_LOW), g(name::MASKED_HIGH),
-                            g(name::SAMPLES_TRAINED), g(name::SAMPLES), stale.join(" "), g(name::STEP_SECONDS), t0.elapsed().as_secs_f64(),
-                            heldout.map(|h| format!(" held-out {:.1}%", h * 100.0)).unwrap_or_default()
-                        );
+                        summary.record(&rows, t0.elapsed().as_secs_f64(), max_steps, quiet);
                     }
                 }
             }

@@ -37,22 +37,7 @@ pub fn generate(model: &Transformer, prompts: &[Vec<u32>], s: Sampling) -> Resul
     let p = prompts.iter().map(Vec::len).max().unwrap_or(0).max(1);
     let pads: Vec<usize> = prompts.iter().map(|q| p - q.len()).collect();
     let mut cache = model.new_cache(p + s.max_tokens);
-    let mut tokens = vec![0u32; b * p];
-    let mut positions = vec![0u32; b * p];
-    let mut mask = vec![MASKED; b * p * p];
-    for (r, q) in prompts.iter().enumerate() {
-        for (i, &t) in q.iter().enumerate() {
-            tokens[r * p + pads[r] + i] = t;
-            positions[r * p + pads[r] + i] = i as u32;
-        }
-        for i in 0..p {
-            for j in 0..=i {
-                if j >= pads[r] || i == j {
-                    mask[(r * p + i) * p + j] = 0.0;
-                }
-            }
-        }
-    }
+    let (tokens, positions, mask) = left_padded(prompts, p);
     let mut logits = model.forward_cached(
         &Tensor::from_vec(tokens, (b, p), &dev)?,
         &Tensor::from_vec(positions, (b, p), &dev)?,
@@ -75,24 +60,8 @@ pub fn generate(model: &Transformer, prompts: &[Vec<u32>], s: Sampling) -> Resul
             let row = &lsm[r];
             let tok = if done[r] {
                 s.eos.unwrap_or(0)
-            } else if s.temperature > 0.0 {
-                let u: f32 = rng.random();
-                let mut acc = 0f32;
-                let mut pick = row.len() - 1;
-                for (i, l) in row.iter().enumerate() {
-                    acc += l.exp();
-                    if u < acc {
-                        pick = i;
-                        break;
-                    }
-                }
-                pick as u32
             } else {
-                row.iter()
-                    .enumerate()
-                    .max_by(|a, b| a.1.total_cmp(b.1))
-                    .map(|(i, _)| i as u32)
-                    .unwrap_or(0)
+                pick(row, s.temperature, &mut rng)
             };
             next[r] = tok;
             if !done[r] {
@@ -120,4 +89,50 @@ pub fn generate(model: &Transformer, prompts: &[Vec<u32>], s: Sampling) -> Resul
         )?;
     }
     Ok(out)
+}
+
+/// Tokens, positions and the causal mask (b, 1, p, p) of `prompts` left-padded to `p`:
+/// a pad attends only to itself, a token to the real tokens up to it.
+fn left_padded(prompts: &[Vec<u32>], p: usize) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
+    let b = prompts.len();
+    let mut tokens = vec![0u32; b * p];
+    let mut positions = vec![0u32; b * p];
+    let mut mask = vec![MASKED; b * p * p];
+    for (r, q) in prompts.iter().enumerate() {
+        let pad = p - q.len();
+        for (i, &t) in q.iter().enumerate() {
+            tokens[r * p + pad + i] = t;
+            positions[r * p + pad + i] = i as u32;
+        }
+        for i in 0..p {
+            for j in 0..=i {
+                if j >= pad || i == j {
+                    mask[(r * p + i) * p + j] = 0.0;
+                }
+            }
+        }
+    }
+    (tokens, positions, mask)
+}
+
+/// The next token from log-probabilities `row`: drawn at `temperature` > 0 (the row is
+/// already scaled by it), the most likely one otherwise.
+fn pick(row: &[f32], temperature: f64, rng: &mut impl Rng) -> u32 {
+    if temperature > 0.0 {
+        let u: f32 = rng.random();
+        let mut acc = 0f32;
+        for (i, l) in row.iter().enumerate() {
+            acc += l.exp();
+            if u < acc {
+                return i as u32;
+            }
+        }
+        (row.len() - 1) as u32
+    } else {
+        row.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i as u32)
+            .unwrap_or(0)
+    }
 }

@@ -21,36 +21,46 @@ fn meta<'a>(c: &'a Content, key: &str, path: &Path) -> Result<&'a Value> {
     })
 }
 
+/// A checkpoint error about the GGUF file at `path`.
+fn bad(path: &Path, reason: impl Into<String>) -> Error {
+    Error::Checkpoint {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
 /// Loads a llama-architecture GGUF file as a trainable f32 model with its tokenizer.
 pub fn load(path: &Path, device: &Device) -> Result<Loaded> {
     let mut file = std::fs::File::open(path).map_err(Error::io("opening", path))?;
-    let content = Content::read(&mut file).map_err(|e| Error::Checkpoint {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    })?;
-    let arch = meta(&content, "general.architecture", path)?.to_string()?.clone();
+    let content = Content::read(&mut file).map_err(|e| bad(path, e.to_string()))?;
+    let hf = config(&content, path)?;
+    let mut loaded = init_seeded(&hf, device, None)?;
+    fill(&loaded, &content, &mut file, &hf, path, device)?;
+    loaded.tokenizer = Some(tokenizer(&content, path)?);
+    Ok(loaded)
+}
+
+/// The model's configuration from the GGUF metadata (llama only, no RoPE scaling).
+fn config(content: &Content, path: &Path) -> Result<HfConfig> {
+    let arch = meta(content, "general.architecture", path)?.to_string()?.clone();
     if arch != "llama" {
-        return Err(Error::Checkpoint {
-            path: path.display().to_string(),
-            reason: format!("architecture `{arch}` is not supported (llama)"),
-        });
+        return Err(bad(path, format!("architecture `{arch}` is not supported (llama)")));
     }
-    let u = |k: &str| -> Result<usize> { Ok(meta(&content, &format!("llama.{k}"), path)?.to_u32()? as usize) };
-    let f = |k: &str| -> Result<f64> { Ok(meta(&content, &format!("llama.{k}"), path)?.to_f32()? as f64) };
-    let tokens = meta(&content, "tokenizer.ggml.tokens", path)?.to_vec()?;
+    let u = |k: &str| -> Result<usize> { Ok(meta(content, &format!("llama.{k}"), path)?.to_u32()? as usize) };
+    let f = |k: &str| -> Result<f64> { Ok(meta(content, &format!("llama.{k}"), path)?.to_f32()? as f64) };
+    let tokens = meta(content, "tokenizer.ggml.tokens", path)?.to_vec()?;
     let (d, heads) = (u("embedding_length")?, u("attention.head_count")?);
     let kv = u("attention.head_count_kv").unwrap_or(heads);
-    let tied = !content.tensor_infos.contains_key("output.weight");
     if let Some(kind) = content.metadata.get("llama.rope.scaling.type") {
         let kind = kind.to_string()?.clone();
         if kind != "none" {
-            return Err(Error::Checkpoint {
-                path: path.display().to_string(),
-                reason: format!("llama.rope.scaling.type `{kind}` is not supported in GGUF files (none)"),
-            });
+            return Err(bad(
+                path,
+                format!("llama.rope.scaling.type `{kind}` is not supported in GGUF files (none)"),
+            ));
         }
     }
-    let hf = HfConfig {
+    Ok(HfConfig {
         model_type: Some("llama".into()),
         vocab_size: tokens.len(),
         hidden_size: d,
@@ -62,66 +72,78 @@ pub fn load(path: &Path, device: &Device) -> Result<Loaded> {
         rms_norm_eps: f("attention.layer_norm_rms_epsilon")?,
         rope_theta: f("rope.freq_base").unwrap_or(10_000.0),
         max_position_embeddings: u("context_length").unwrap_or(2048),
-        tie_word_embeddings: tied,
+        tie_word_embeddings: !content.tensor_infos.contains_key("output.weight"),
         ..Default::default()
-    };
-    let mut loaded = init_seeded(&hf, device, None)?;
-    let hd = d / heads;
+    })
+}
+
+/// Sets every weight of `loaded` from the file's tensors, dequantised, with Q/K rows
+/// un-permuted; a tensor the model does not use, or a weight left unset, is an error.
+fn fill(
+    loaded: &Loaded,
+    content: &Content,
+    file: &mut std::fs::File,
+    hf: &HfConfig,
+    path: &Path,
+    device: &Device,
+) -> Result<()> {
+    let heads = hf.num_attention_heads;
+    let kv = hf.num_key_value_heads.unwrap_or(heads);
+    let hd = hf.hidden_size / heads;
     let mut names: Vec<&String> = content.tensor_infos.keys().collect();
     names.sort();
     let mut unused = Vec::new();
-    {
-        let data = loaded
-            .vars
-            .data()
-            .lock()
-            .map_err(|_| Error::Shape("var map lock poisoned".into()))?;
-        let mut seen = 0;
-        for name in names {
-            let Some(hf_name) = hf_name(name) else {
-                unused.push(name.clone());
-                continue;
-            };
-            let q = content.tensor(&mut file, name, device)?;
-            let mut t = q.dequantize(device)?;
-            if name.ends_with("attn_q.weight") {
-                t = unpermute(&t, heads, hd)?;
-            } else if name.ends_with("attn_k.weight") {
-                t = unpermute(&t, kv, hd)?;
-            }
-            let var = data.get(&hf_name).ok_or_else(|| Error::Checkpoint {
-                path: path.display().to_string(),
-                reason: format!("`{name}` maps to `{hf_name}`, which the model does not have"),
-            })?;
-            if var.dims() != t.dims() {
-                return Err(Error::Checkpoint {
-                    path: path.display().to_string(),
-                    reason: format!("`{name}` is {:?}, `{hf_name}` needs {:?}", t.dims(), var.dims()),
-                });
-            }
-            var.set(&t)?;
-            seen += 1;
+    let data = loaded
+        .vars
+        .data()
+        .lock()
+        .map_err(|_| Error::Shape("var map lock poisoned".into()))?;
+    let mut seen = 0;
+    for name in names {
+        let Some(hf_name) = hf_name(name) else {
+            unused.push(name.clone());
+            continue;
+        };
+        let q = content.tensor(file, name, device)?;
+        let mut t = q.dequantize(device)?;
+        if name.ends_with("attn_q.weight") {
+            t = unpermute(&t, heads, hd)?;
+        } else if name.ends_with("attn_k.weight") {
+            t = unpermute(&t, kv, hd)?;
         }
-        if !unused.is_empty() {
-            return Err(Error::Checkpoint {
-                path: path.display().to_string(),
-                reason: format!(
-                    "GGUF tensors the llama model does not use: {unused:?} (`rope_freqs.weight` is Llama 3 RoPE scaling, which streamrl reads only from Hugging Face checkpoints)"
-                ),
-            });
+        let var = data.get(&hf_name).ok_or_else(|| {
+            bad(
+                path,
+                format!("`{name}` maps to `{hf_name}`, which the model does not have"),
+            )
+        })?;
+        if var.dims() != t.dims() {
+            return Err(bad(
+                path,
+                format!("`{name}` is {:?}, `{hf_name}` needs {:?}", t.dims(), var.dims()),
+            ));
         }
-        if seen != data.len() {
-            return Err(Error::Checkpoint {
-                path: path.display().to_string(),
-                reason: format!(
-                    "filled {seen} of {} weights (unmapped GGUF tensors: {unused:?})",
-                    data.len()
-                ),
-            });
-        }
+        var.set(&t)?;
+        seen += 1;
     }
-    loaded.tokenizer = Some(tokenizer(&content, path)?);
-    Ok(loaded)
+    if !unused.is_empty() {
+        return Err(bad(
+            path,
+            format!(
+                "GGUF tensors the llama model does not use: {unused:?} (`rope_freqs.weight` is Llama 3 RoPE scaling, which streamrl reads only from Hugging Face checkpoints)"
+            ),
+        ));
+    }
+    if seen != data.len() {
+        return Err(bad(
+            path,
+            format!(
+                "filled {seen} of {} weights (unmapped GGUF tensors: {unused:?})",
+                data.len()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// GGUF tensor name → Hugging Face name.
@@ -180,6 +202,43 @@ fn tokenizer(c: &Content, path: &Path) -> Result<Tokenizer> {
         .iter()
         .map(|v| v.to_string().cloned())
         .collect::<candle_core::Result<_>>()?;
+    let inner = tokenizers::Tokenizer::from_str(&bpe_json(c, path, &tokens)?.to_string())
+        .map_err(|e| Error::Tokenizer(format!("rebuilding from GGUF: {e}")))?;
+    let mut t = Tokenizer::new(inner);
+    let id = |key: &str| c.metadata.get(key).and_then(|v| v.to_u32().ok());
+    t.eos = id("tokenizer.ggml.eos_token_id").or(t.eos);
+    t.bos = id("tokenizer.ggml.bos_token_id").or(t.bos);
+    // tokenizer_config.json as Hugging Face tools expect it: the class, the special tokens
+    // by name, and the chat template the GGUF carries.
+    let mut cfg = serde_json::Map::new();
+    cfg.insert("tokenizer_class".into(), "PreTrainedTokenizerFast".into());
+    let name = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).cloned();
+    for (key, token) in [
+        ("eos_token", name(t.eos)),
+        ("bos_token", name(t.bos)),
+        ("pad_token", name(id("tokenizer.ggml.padding_token_id"))),
+    ] {
+        if let Some(token) = token {
+            cfg.insert(key.into(), token.into());
+        }
+    }
+    if let Some(template) = c
+        .metadata
+        .get("tokenizer.chat_template")
+        .and_then(|v| v.to_string().ok())
+    {
+        cfg.insert("chat_template".into(), template.clone().into());
+    }
+    if let Some(ctx) = id("llama.context_length") {
+        cfg.insert("model_max_length".into(), ctx.into());
+    }
+    t.set_config(cfg);
+    Ok(t)
+}
+
+/// The `tokenizer.json` of a byte-level BPE from the GGUF's vocabulary (`tokens`),
+/// merges and token types.
+fn bpe_json(c: &Content, path: &Path, tokens: &[String]) -> Result<serde_json::Value> {
     let merges: Vec<String> = meta(c, "tokenizer.ggml.merges", path)?
         .to_vec()?
         .iter()
@@ -205,7 +264,7 @@ fn tokenizer(c: &Content, path: &Path) -> Result<Tokenizer> {
         .filter(|(i, _)| matches!(types.get(*i), Some(3 | 4)))
         .map(|(i, t)| serde_json::json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
         .collect();
-    let json = serde_json::json!({
+    Ok(serde_json::json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
         "post_processor": null,
@@ -213,54 +272,7 @@ fn tokenizer(c: &Content, path: &Path) -> Result<Tokenizer> {
         "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
                   "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
                   "vocab": vocab, "merges": merges}
-    });
-    let inner = tokenizers::Tokenizer::from_str(&json.to_string())
-        .map_err(|e| Error::Tokenizer(format!("rebuilding from GGUF: {e}")))?;
-    let mut t = Tokenizer::new(inner);
-    if let Some(eos) = c
-        .metadata
-        .get("tokenizer.ggml.eos_token_id")
-        .and_then(|v| v.to_u32().ok())
-    {
-        t.eos = Some(eos);
-    }
-    if let Some(bos) = c
-        .metadata
-        .get("tokenizer.ggml.bos_token_id")
-        .and_then(|v| v.to_u32().ok())
-    {
-        t.bos = Some(bos);
-    }
-    // tokenizer_config.json as Hugging Face tools expect it: the class, the special tokens
-    // by name, and the chat template the GGUF carries.
-    let mut cfg = serde_json::Map::new();
-    cfg.insert("tokenizer_class".into(), "PreTrainedTokenizerFast".into());
-    let name = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).cloned();
-    if let Some(eos) = name(t.eos) {
-        cfg.insert("eos_token".into(), eos.into());
-    }
-    if let Some(bos) = name(t.bos) {
-        cfg.insert("bos_token".into(), bos.into());
-    }
-    if let Some(pad) = name(
-        c.metadata
-            .get("tokenizer.ggml.padding_token_id")
-            .and_then(|v| v.to_u32().ok()),
-    ) {
-        cfg.insert("pad_token".into(), pad.into());
-    }
-    if let Some(template) = c
-        .metadata
-        .get("tokenizer.chat_template")
-        .and_then(|v| v.to_string().ok())
-    {
-        cfg.insert("chat_template".into(), template.clone().into());
-    }
-    if let Some(ctx) = c.metadata.get("llama.context_length").and_then(|v| v.to_u32().ok()) {
-        cfg.insert("model_max_length".into(), ctx.into());
-    }
-    t.set_config(cfg);
-    Ok(t)
+    }))
 }
 
 #[cfg(test)]

@@ -269,8 +269,44 @@ impl CpuModel {
     /// the one newest token of a running sequence) after what its cache holds, and gets
     /// the logits of its last token. Returns (entries, vocab) logits, row-major.
     pub fn forward(&self, seqs: &mut [(&mut SeqKv, &[u32])]) -> Result<Vec<f32>> {
+        self.check_batch(seqs)?;
         let c = &self.cfg;
         let (d, hd, nh, nkv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
+        let n: usize = seqs.iter().map(|(_, t)| t.len()).sum();
+        let mut x = Vec::with_capacity(n * d);
+        for (_, toks) in seqs.iter() {
+            for &t in *toks {
+                x.extend_from_slice(&self.embed[t as usize * d..(t as usize + 1) * d]);
+            }
+        }
+        let qkv_w = (nh + 2 * nkv) * hd;
+        let mut h = vec![0f32; n * d];
+        let mut qkv = vec![0f32; n * qkv_w];
+        let mut att = vec![0f32; n * nh * hd];
+        let max_len = seqs.iter().map(|(kv, t)| kv.len + t.len()).max().unwrap_or(0);
+        let mut scores = vec![0f32; max_len];
+        for (li, layer) in self.layers.iter().enumerate() {
+            cpu::rms_norm(&x, &layer.attn_norm, c.eps as f32, &mut h);
+            layer.qkv.apply(&h, n, &mut qkv, false, self.threads);
+            self.append_kv(li, layer, &mut qkv, seqs);
+            self.attend(li, &qkv, seqs, &mut scores, &mut att);
+            layer.o.apply(&att, n, &mut x, true, self.threads);
+            cpu::rms_norm(&x, &layer.ff_norm, c.eps as f32, &mut h);
+            match &layer.ff {
+                Ff::Dense(mlp) => mlp.apply(&h, n, &mut x, true, self.threads),
+                Ff::Moe(m) => m.apply(&h, n, d, &mut x, self.threads),
+            }
+        }
+        for (kv, toks) in seqs.iter_mut() {
+            kv.len += toks.len();
+        }
+        Ok(self.last_logits(&x, seqs))
+    }
+
+    /// Every problem of a batch at once: empty entries, positions past the model's
+    /// maximum, tokens outside the vocabulary.
+    fn check_batch(&self, seqs: &[(&mut SeqKv, &[u32])]) -> Result<()> {
+        let c = &self.cfg;
         let mut problems = Vec::new();
         for (i, (kv, toks)) in seqs.iter().enumerate() {
             if toks.is_empty() {
@@ -287,79 +323,73 @@ impl CpuModel {
                 problems.push(format!("entry {i}: token {t} is outside the vocabulary of {}", c.vocab));
             }
         }
-        if !problems.is_empty() {
-            return Err(Error::Shape(problems.join("; ")));
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Shape(problems.join("; ")))
         }
-        let n: usize = seqs.iter().map(|(_, t)| t.len()).sum();
-        let mut x = Vec::with_capacity(n * d);
-        for (_, toks) in seqs.iter() {
-            for &t in *toks {
-                x.extend_from_slice(&self.embed[t as usize * d..(t as usize + 1) * d]);
-            }
-        }
+    }
+
+    /// Per token of layer `li`: q/k norms, rotary embedding, then the keys and values join
+    /// the sequence's cache.
+    fn append_kv(&self, li: usize, layer: &Layer, qkv: &mut [f32], seqs: &mut [(&mut SeqKv, &[u32])]) {
+        let c = &self.cfg;
+        let (hd, nh, nkv) = (c.head_dim, c.n_heads, c.n_kv_heads);
         let qkv_w = (nh + 2 * nkv) * hd;
-        let mut h = vec![0f32; n * d];
-        let mut qkv = vec![0f32; n * qkv_w];
-        let mut att = vec![0f32; n * nh * hd];
-        let max_len = seqs.iter().map(|(kv, t)| kv.len + t.len()).max().unwrap_or(0);
-        let mut scores = vec![0f32; max_len];
-        let scale = (1.0 / (hd as f64).sqrt()) as f32;
-        for (li, layer) in self.layers.iter().enumerate() {
-            cpu::rms_norm(&x, &layer.attn_norm, c.eps as f32, &mut h);
-            layer.qkv.apply(&h, n, &mut qkv, false, self.threads);
-            // Per token: q/k norms, rotary embedding, then the keys and values join the
-            // sequence's cache.
-            let mut row = 0;
-            for (kv, toks) in seqs.iter_mut() {
-                for i in 0..toks.len() {
-                    let pos = kv.len + i;
-                    let r = &mut qkv[row * qkv_w..(row + 1) * qkv_w];
-                    let (q, rest) = r.split_at_mut(nh * hd);
-                    let (k, v) = rest.split_at_mut(nkv * hd);
-                    for (heads, norm) in [(&mut *q, &layer.q_norm), (&mut *k, &layer.k_norm)] {
-                        for head in heads.chunks_exact_mut(hd) {
-                            if let Some(w) = norm {
-                                cpu::rms_norm_in_place(head, w, c.eps as f32);
-                            }
-                            self.rope(head, pos);
-                        }
-                    }
-                    kv.k[li].extend_from_slice(k);
-                    kv.v[li].extend_from_slice(v);
-                    row += 1;
-                }
-            }
-            // Attention: token i of a sequence sees that sequence's positions 0..=pos.
-            let mut row = 0;
-            for (kv, toks) in seqs.iter() {
-                let (ks, vs) = (&kv.k[li], &kv.v[li]);
-                for i in 0..toks.len() {
-                    let pos = kv.len + i;
-                    cpu::attend(
-                        &qkv[row * qkv_w..row * qkv_w + nh * hd],
-                        ks,
-                        vs,
-                        pos + 1,
-                        nkv,
-                        hd,
-                        scale,
-                        &mut scores,
-                        &mut att[row * nh * hd..(row + 1) * nh * hd],
-                    );
-                    row += 1;
-                }
-            }
-            layer.o.apply(&att, n, &mut x, true, self.threads);
-            cpu::rms_norm(&x, &layer.ff_norm, c.eps as f32, &mut h);
-            match &layer.ff {
-                Ff::Dense(mlp) => mlp.apply(&h, n, &mut x, true, self.threads),
-                Ff::Moe(m) => m.apply(&h, n, d, &mut x, self.threads),
-            }
-        }
+        let mut row = 0;
         for (kv, toks) in seqs.iter_mut() {
-            kv.len += toks.len();
+            for i in 0..toks.len() {
+                let pos = kv.len + i;
+                let r = &mut qkv[row * qkv_w..(row + 1) * qkv_w];
+                let (q, rest) = r.split_at_mut(nh * hd);
+                let (k, v) = rest.split_at_mut(nkv * hd);
+                for (heads, norm) in [(&mut *q, &layer.q_norm), (&mut *k, &layer.k_norm)] {
+                    for head in heads.chunks_exact_mut(hd) {
+                        if let Some(w) = norm {
+                            cpu::rms_norm_in_place(head, w, c.eps as f32);
+                        }
+                        self.rope(head, pos);
+                    }
+                }
+                kv.k[li].extend_from_slice(k);
+                kv.v[li].extend_from_slice(v);
+                row += 1;
+            }
         }
-        // The last token of every entry: final norm, then the head.
+    }
+
+    /// Attention of layer `li` into `att`: token i of a sequence sees that sequence's
+    /// positions 0..=pos.
+    fn attend(&self, li: usize, qkv: &[f32], seqs: &[(&mut SeqKv, &[u32])], scores: &mut [f32], att: &mut [f32]) {
+        let c = &self.cfg;
+        let (hd, nh, nkv) = (c.head_dim, c.n_heads, c.n_kv_heads);
+        let qkv_w = (nh + 2 * nkv) * hd;
+        let scale = (1.0 / (hd as f64).sqrt()) as f32;
+        let mut row = 0;
+        for (kv, toks) in seqs.iter() {
+            let (ks, vs) = (&kv.k[li], &kv.v[li]);
+            for i in 0..toks.len() {
+                let pos = kv.len + i;
+                cpu::attend(
+                    &qkv[row * qkv_w..row * qkv_w + nh * hd],
+                    ks,
+                    vs,
+                    pos + 1,
+                    nkv,
+                    hd,
+                    scale,
+                    scores,
+                    &mut att[row * nh * hd..(row + 1) * nh * hd],
+                );
+                row += 1;
+            }
+        }
+    }
+
+    /// The logits of every entry's last token: final norm, then the head.
+    fn last_logits(&self, x: &[f32], seqs: &[(&mut SeqKv, &[u32])]) -> Vec<f32> {
+        let c = &self.cfg;
+        let d = c.d_model;
         let mut last = Vec::with_capacity(seqs.len() * d);
         let mut row = 0;
         for (_, toks) in seqs.iter() {
@@ -371,7 +401,7 @@ impl CpuModel {
         cpu::rms_norm(&last, &self.norm, c.eps as f32, &mut hn);
         let mut logits = vec![0f32; m * c.vocab];
         self.head.apply(&hn, m, &mut logits, false, self.threads);
-        Ok(logits)
+        logits
     }
 
     /// Rotates one head's vector in place to position `pos`.

@@ -193,6 +193,51 @@ impl Param {
         }
         Ok(())
     }
+
+    /// One update of this parameter with gradient `g` (its AdamW hyper-parameters `h`,
+    /// which carry the clip factor; Muon reads momentum and Newton–Schulz steps from
+    /// `cfg`).
+    fn update(&mut self, g: Tensor, h: train::AdamW, cfg: &OptimizerConfig, lr: f64) -> Result<()> {
+        match &mut self.state {
+            State::AdamW { m, v } => {
+                crate::fused::with(&g, "gradient", |g| {
+                    let op = AdamWStep {
+                        grad: g,
+                        m: Mutex::new(m.as_mut_slice()),
+                        v: Mutex::new(v.as_mut_slice()),
+                        h,
+                    };
+                    self.master.as_ref().unwrap_or(self.var.as_tensor()).inplace_op1(&op)
+                })?;
+                self.sync_from_master()
+            }
+            State::AdamWOps { m, v } => {
+                let theta = self.master.as_ref().unwrap_or(self.var.as_tensor());
+                #[cfg(feature = "cuda")]
+                if theta.device().is_cuda() {
+                    // The fused CUDA kernel, in place.
+                    crate::cuda::adamw(theta, &g, m, v, h)?;
+                    return self.sync_from_master();
+                }
+                let (next, nm, nv) = adamw_ops(theta, &g, m, v, h)?;
+                (*m, *v) = (nm, nv);
+                self.set(next)
+            }
+            State::Muon { momentum } => {
+                let g = if h.clip != 1.0 { (g * h.clip as f64)? } else { g };
+                let mu = cfg.muon_momentum;
+                let buf = ((&*momentum * mu)? + &g)?;
+                let nesterov = (g + (&buf * mu)?)?;
+                *momentum = buf;
+                let o = newton_schulz(&nesterov, cfg.ns_steps)?;
+                let (r, c) = self.var.as_tensor().dims2()?;
+                // Scaled to AdamW's update RMS (Moonlight), so one lr serves both.
+                let scale = 0.2 * (r.max(c) as f64).sqrt();
+                let next = ((self.theta() * (1.0 - lr * cfg.weight_decay))? - (o * (lr * scale))?)?;
+                self.set(next)
+            }
+        }
+    }
 }
 
 /// Σ g² in f64 of a contiguous f32 gradient, where it lies.
@@ -299,20 +344,7 @@ impl Optimizer {
     /// gradient whose norm is not finite is refused whole: nothing changes, and the
     /// returned stats say `skipped`.
     pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<StepStats> {
-        // Gradients are read where they lie (made contiguous only when they are not).
-        let mut sq = 0f64;
-        let mut contiguous: Vec<Option<Tensor>> = Vec::with_capacity(self.params.len());
-        for p in &self.params {
-            match grads.get(p.var.as_tensor()) {
-                Some(g) => {
-                    let g = g.to_dtype(DType::F32)?.contiguous()?;
-                    sq += sum_sq(&g)?;
-                    contiguous.push(Some(g));
-                }
-                None => contiguous.push(None),
-            }
-        }
-        let norm = sq.sqrt();
+        let (grads, norm) = self.gradients(grads)?;
         if !norm.is_finite() {
             return Ok(StepStats {
                 grad_norm: norm as f32,
@@ -328,63 +360,21 @@ impl Optimizer {
             1.0
         };
         let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
-        let scale_m = (1f64 / (1f64 - b1.powi(self.step as i32))) as f32;
-        let scale_v = (1f64 / (1f64 - b2.powi(self.step as i32))) as f32;
+        let h = train::AdamW {
+            lr: lr as f32,
+            decay: (1f64 - lr * self.cfg.weight_decay) as f32,
+            beta1: b1 as f32,
+            beta2: b2 as f32,
+            scale_m: (1f64 / (1f64 - b1.powi(self.step as i32))) as f32,
+            scale_v: (1f64 / (1f64 - b2.powi(self.step as i32))) as f32,
+            eps: self.cfg.eps as f32,
+            clip,
+        };
         let mut missing = 0;
-        for (p, g) in self.params.iter_mut().zip(contiguous) {
-            let Some(g) = g else {
-                missing += 1;
-                continue;
-            };
-            let h = train::AdamW {
-                lr: lr as f32,
-                decay: (1f64 - lr * self.cfg.weight_decay) as f32,
-                beta1: b1 as f32,
-                beta2: b2 as f32,
-                scale_m,
-                scale_v,
-                eps: self.cfg.eps as f32,
-                clip,
-            };
-            match &mut p.state {
-                State::AdamW { m, v } => {
-                    crate::fused::with(&g, "gradient", |g| {
-                        let op = AdamWStep {
-                            grad: g,
-                            m: Mutex::new(m.as_mut_slice()),
-                            v: Mutex::new(v.as_mut_slice()),
-                            h,
-                        };
-                        p.master.as_ref().unwrap_or(p.var.as_tensor()).inplace_op1(&op)
-                    })?;
-                    p.sync_from_master()?;
-                }
-                State::AdamWOps { m, v } => {
-                    let theta = p.master.as_ref().unwrap_or(p.var.as_tensor());
-                    #[cfg(feature = "cuda")]
-                    if theta.device().is_cuda() {
-                        // The fused CUDA kernel, in place.
-                        crate::cuda::adamw(theta, &g, m, v, h)?;
-                        p.sync_from_master()?;
-                        continue;
-                    }
-                    let (next, nm, nv) = adamw_ops(theta, &g, m, v, h)?;
-                    (*m, *v) = (nm, nv);
-                    p.set(next)?;
-                }
-                State::Muon { momentum } => {
-                    let g = if clip != 1.0 { (g * clip as f64)? } else { g };
-                    let mu = self.cfg.muon_momentum;
-                    let buf = ((&*momentum * mu)? + &g)?;
-                    let nesterov = (g + (&buf * mu)?)?;
-                    *momentum = buf;
-                    let o = newton_schulz(&nesterov, self.cfg.ns_steps)?;
-                    let (r, c) = p.var.as_tensor().dims2()?;
-                    // Scaled to AdamW's update RMS (Moonlight), so one lr serves both.
-                    let scale = 0.2 * (r.max(c) as f64).sqrt();
-                    let next = ((p.theta() * (1.0 - lr * self.cfg.weight_decay))? - (o * (lr * scale))?)?;
-                    p.set(next)?;
-                }
+        for (p, g) in self.params.iter_mut().zip(grads) {
+            match g {
+                Some(g) => p.update(g, h, &self.cfg, lr)?,
+                None => missing += 1,
             }
         }
         Ok(StepStats {
@@ -393,6 +383,24 @@ impl Optimizer {
             missing_grads: missing,
             skipped: false,
         })
+    }
+
+    /// Every parameter's gradient (f32, contiguous; `None`: it got none) and their global
+    /// norm. Gradients are read where they lie (made contiguous only when they are not).
+    fn gradients(&self, grads: &GradStore) -> Result<(Vec<Option<Tensor>>, f64)> {
+        let mut sq = 0f64;
+        let mut out = Vec::with_capacity(self.params.len());
+        for p in &self.params {
+            match grads.get(p.var.as_tensor()) {
+                Some(g) => {
+                    let g = g.to_dtype(DType::F32)?.contiguous()?;
+                    sq += sum_sq(&g)?;
+                    out.push(Some(g));
+                }
+                None => out.push(None),
+            }
+        }
+        Ok((out, sq.sqrt()))
     }
 
     /// Writes `optimizer.safetensors` (moments) and `optimizer.json` (step, config) to `dir`.

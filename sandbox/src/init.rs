@@ -668,27 +668,15 @@ fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
         if (raw.output_limit.is_some() || raw.timed_out) && exit.is_some() {
             break;
         }
-        let mut fds: Vec<_> = [&out, &err]
-            .into_iter()
-            .filter(|c| c.open)
-            .map(|c| (c.file.as_raw_fd(), libc::POLLIN))
-            .collect();
-        fds.extend(stdin.fd().map(|fd| (fd, libc::POLLOUT)));
-        let exit_fd = pidfd.as_ref().filter(|_| exit.is_none());
-        fds.extend(exit_fd.map(|p| (p.as_raw_fd(), libc::POLLIN)));
         // With a pidfd, poll wakes at the exit; without one, look every 2 ms.
-        // The tree's CPU time is looked at every 50 ms.
+        let exit_fd = pidfd.as_ref().filter(|_| exit.is_none()).map(|p| p.as_raw_fd());
         let cap = if exit_fd.is_some() { CPU_CHECK.as_millis() } else { 2 };
         let wait = if exit.is_some() {
             0
         } else {
             deadline.saturating_duration_since(now).as_millis().clamp(1, cap) as i32
         };
-        if fds.is_empty() {
-            std::thread::sleep(std::time::Duration::from_millis(wait as u64));
-            continue;
-        }
-        let _ = sys::poll(&fds, wait);
+        wait_for_io(&[&out, &err], &stdin, exit_fd, wait);
         stdin.write(&req.stdin);
         for c in [&mut out, &mut err] {
             if c.read(&mut buf) && raw.output_limit.is_none() {
@@ -709,6 +697,23 @@ fn exec(cfg: &InitConfig, req: &ExecRequest) -> RawExec {
     raw.cpu_ms = sys::children_cpu_ms().saturating_sub(cpu_before).max(exit.cpu_ms);
     raw.max_rss_bytes = exit.max_rss_bytes;
     raw
+}
+
+/// Waits up to `wait` ms until an open output has data, stdin has room, or the command
+/// exits (its pidfd is readable).
+fn wait_for_io(outputs: &[&Capture], stdin: &Feed, exit_fd: Option<std::os::fd::RawFd>, wait: i32) {
+    let mut fds: Vec<_> = outputs
+        .iter()
+        .filter(|c| c.open)
+        .map(|c| (c.file.as_raw_fd(), libc::POLLIN))
+        .collect();
+    fds.extend(stdin.fd().map(|fd| (fd, libc::POLLOUT)));
+    fds.extend(exit_fd.map(|fd| (fd, libc::POLLIN)));
+    if fds.is_empty() {
+        std::thread::sleep(std::time::Duration::from_millis(wait as u64));
+    } else {
+        let _ = sys::poll(&fds, wait);
+    }
 }
 
 /// The wall-clock and tree-CPU limits of a running command.

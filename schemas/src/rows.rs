@@ -533,10 +533,90 @@ pub(crate) mod tests {
         assert_eq!(T::from_batch(&batch).unwrap(), rows, "{}", T::SCHEMA);
     }
 
+    /// Rollout `i` as a later stage sees it: ended by `finish`, with `answer`.
+    fn ended(i: u32, finish: &str, answer: Option<&str>) -> RolloutRow {
+        let mut r = rollout(i);
+        r.finish_reason = finish.into();
+        r.answer = answer.map(Into::into);
+        (r.started_at, r.finished_at) = (1, 2);
+        r
+    }
+
+    fn tool_outputs() -> Vec<ToolOutput> {
+        vec![ToolOutput {
+            call_id: "c0".into(),
+            name: "python".into(),
+            output: "4\n".into(),
+            status: "ok".into(),
+        }]
+    }
+
     #[test]
-    fn every_row_type_round_trips() {
-        let r = rollout(1);
+    fn rollout_and_continuation_rows_round_trip() {
         round_trip((0..5).map(rollout).collect());
+        round_trip(vec![trajectory_into!(
+            ended(1, "tool_call", None),
+            ContinuationRow {
+                tool_outputs: tool_outputs(),
+                created_at: 3,
+            }
+        )]);
+    }
+
+    #[test]
+    fn executed_and_scored_rows_round_trip() {
+        // Empty lists and strings survive as such.
+        let mut empty = ended(0, "length", None);
+        empty.prompt = String::new();
+        empty.completion = String::new();
+        (empty.prompt_token_ids, empty.completion_token_ids) = (vec![], vec![]);
+        (empty.completion_logprobs, empty.completion_versions, empty.loss_mask) = (vec![], vec![], vec![]);
+        empty.tool_calls = vec![];
+        round_trip(vec![trajectory_into!(
+            empty,
+            ExecutedRow {
+                tool_outputs: vec![],
+                exec_status: "ok".into(),
+                exit_code: Some(0),
+                stdout: "passed".into(),
+                stderr: String::new(),
+                exec_duration_ms: 12,
+                tests_passed: 3,
+                tests_total: 3,
+                created_at: 0,
+            }
+        )]);
+        let mut scored = ended(1, "stop", Some("4"));
+        scored.tool_calls = vec![];
+        let component = |name: &str, value: f32, reason: &str| RewardComponent {
+            name: name.into(),
+            value,
+            weight: 0.5,
+            reason: reason.into(),
+        };
+        round_trip(vec![trajectory_into!(
+            scored,
+            ScoredRow {
+                tool_outputs: tool_outputs(),
+                exec_status: "timeout".into(),
+                exit_code: None,
+                stdout: String::new(),
+                stderr: "killed after 10s".into(),
+                exec_duration_ms: 10_000,
+                tests_passed: 1,
+                tests_total: 3,
+                reward: 0.5,
+                reward_components: vec![
+                    component("correct", 1.0, "4 == 4"),
+                    component("format", 0.0, "no <answer>")
+                ],
+                created_at: 3,
+            }
+        )]);
+    }
+
+    #[test]
+    fn prompt_and_sample_rows_round_trip() {
         round_trip(vec![PromptRow {
             run_id: "run".into(),
             problem_id: "p".into(),
@@ -551,125 +631,6 @@ pub(crate) mod tests {
             temperature: 0.7,
             max_tokens: 16,
             created_at: 5,
-        }]);
-        let tool_outputs = vec![ToolOutput {
-            call_id: "c0".into(),
-            name: "python".into(),
-            output: "4\n".into(),
-            status: "ok".into(),
-        }];
-        round_trip(vec![ContinuationRow {
-            run_id: r.run_id.clone(),
-            problem_id: r.problem_id.clone(),
-            group_id: r.group_id.clone(),
-            rollout_id: r.rollout_id.clone(),
-            sample_id: r.sample_id.clone(),
-            env: r.env.clone(),
-            step: r.step,
-            sample_index: r.sample_index,
-            group_size: r.group_size,
-            turn: r.turn,
-            prompt: r.prompt.clone(),
-            prompt_token_ids: r.prompt_token_ids.clone(),
-            completion: r.completion.clone(),
-            completion_token_ids: r.completion_token_ids.clone(),
-            completion_logprobs: r.completion_logprobs.clone(),
-            completion_versions: r.completion_versions.clone(),
-            loss_mask: r.loss_mask.clone(),
-            finish_reason: "tool_call".into(),
-            tool_calls: r.tool_calls.clone(),
-            answer: None,
-            info: None,
-            temperature: 1.0,
-            started_at: 1,
-            finished_at: 2,
-            tool_outputs: tool_outputs.clone(),
-            created_at: 3,
-        }]);
-        round_trip(vec![ScoredRow {
-            run_id: r.run_id.clone(),
-            problem_id: r.problem_id.clone(),
-            group_id: r.group_id.clone(),
-            rollout_id: r.rollout_id.clone(),
-            sample_id: r.sample_id.clone(),
-            env: r.env.clone(),
-            step: r.step,
-            sample_index: r.sample_index,
-            group_size: r.group_size,
-            turn: r.turn,
-            prompt: r.prompt.clone(),
-            prompt_token_ids: r.prompt_token_ids.clone(),
-            completion: r.completion.clone(),
-            completion_token_ids: r.completion_token_ids.clone(),
-            completion_logprobs: r.completion_logprobs.clone(),
-            completion_versions: r.completion_versions.clone(),
-            loss_mask: r.loss_mask.clone(),
-            finish_reason: "stop".into(),
-            tool_calls: vec![],
-            answer: Some("4".into()),
-            info: None,
-            temperature: 1.0,
-            started_at: 1,
-            finished_at: 2,
-            tool_outputs: tool_outputs.clone(),
-            exec_status: "timeout".into(),
-            exit_code: None,
-            stdout: String::new(),
-            stderr: "killed after 10s".into(),
-            exec_duration_ms: 10_000,
-            tests_passed: 1,
-            tests_total: 3,
-            reward: 0.5,
-            reward_components: vec![
-                RewardComponent {
-                    name: "correct".into(),
-                    value: 1.0,
-                    weight: 0.5,
-                    reason: "4 == 4".into(),
-                },
-                RewardComponent {
-                    name: "format".into(),
-                    value: 0.0,
-                    weight: 0.5,
-                    reason: "no <answer>".into(),
-                },
-            ],
-            created_at: 3,
-        }]);
-        round_trip(vec![ExecutedRow {
-            run_id: "run".into(),
-            problem_id: "p".into(),
-            group_id: "g".into(),
-            rollout_id: "r".into(),
-            sample_id: "s".into(),
-            env: "code".into(),
-            step: 0,
-            sample_index: 0,
-            group_size: 1,
-            turn: 1,
-            prompt: String::new(),
-            prompt_token_ids: vec![],
-            completion: String::new(),
-            completion_token_ids: vec![],
-            completion_logprobs: vec![],
-            completion_versions: vec![],
-            loss_mask: vec![],
-            finish_reason: "length".into(),
-            tool_calls: vec![],
-            answer: None,
-            info: None,
-            temperature: 1.0,
-            started_at: 0,
-            finished_at: 0,
-            tool_outputs: vec![],
-            exec_status: "ok".into(),
-            exit_code: Some(0),
-            stdout: "passed".into(),
-            stderr: String::new(),
-            exec_duration_ms: 12,
-            tests_passed: 3,
-            tests_total: 3,
-            created_at: 0,
         }]);
         round_trip(vec![SampleRow {
             run_id: "run".into(),
@@ -690,6 +651,10 @@ pub(crate) mod tests {
             advantage: 0.25,
             created_at: 9,
         }]);
+    }
+
+    #[test]
+    fn policy_trained_and_metric_rows_round_trip() {
         round_trip(vec![PolicyRow {
             run_id: "run".into(),
             version: 4,
@@ -716,6 +681,10 @@ pub(crate) mod tests {
             value: -0.125,
             created_at: 1,
         }]);
+    }
+
+    #[test]
+    fn dead_letter_rows_round_trip() {
         round_trip(vec![
             DeadLetterRow {
                 topic: "rollouts".into(),

@@ -89,20 +89,7 @@ impl SchemaId {
 
     fn build_fields(self) -> Vec<Field> {
         let mut v = match self {
-            SchemaId::Prompts => vec![
-                utf8(f::RUN_ID),
-                utf8(f::PROBLEM_ID),
-                utf8(f::GROUP_ID),
-                utf8(f::ENV),
-                u64f(f::STEP),
-                u32f(f::GROUP_SIZE),
-                utf8(f::PROMPT),
-                list(f::PROMPT_TOKEN_IDS, DataType::UInt32),
-                utf8_null(f::ANSWER),
-                utf8_null(f::INFO),
-                Field::new(f::TEMPERATURE, DataType::Float32, false),
-                u32f(f::MAX_TOKENS),
-            ],
+            SchemaId::Prompts => prompt_fields(),
             SchemaId::Rollouts => trajectory_fields(),
             SchemaId::Continuations => {
                 let mut v = trajectory_fields();
@@ -121,24 +108,7 @@ impl SchemaId {
                 v.push(reward_components_field());
                 v
             }
-            SchemaId::Samples => vec![
-                utf8(f::RUN_ID),
-                utf8(f::PROBLEM_ID),
-                utf8(f::GROUP_ID),
-                utf8(f::ROLLOUT_ID),
-                utf8(f::SAMPLE_ID),
-                utf8(f::ENV),
-                u64f(f::STEP),
-                u32f(f::TURN),
-                list(f::PROMPT_TOKEN_IDS, DataType::UInt32),
-                list(f::COMPLETION_TOKEN_IDS, DataType::UInt32),
-                list(f::COMPLETION_LOGPROBS, DataType::Float32),
-                list(f::COMPLETION_VERSIONS, DataType::UInt32),
-                list(f::LOSS_MASK, DataType::Boolean),
-                utf8(f::FINISH_REASON),
-                Field::new(f::REWARD, DataType::Float32, false),
-                Field::new(f::ADVANTAGE, DataType::Float32, false),
-            ],
+            SchemaId::Samples => sample_fields(),
             SchemaId::Policy => vec![
                 utf8(f::RUN_ID),
                 u32f(f::VERSION),
@@ -316,6 +286,46 @@ fn list(name: &str, item: DataType) -> Field {
 fn struct_list(name: &str, fields: Vec<Field>) -> Field {
     let item = Field::new("item", DataType::Struct(Fields::from(fields)), false);
     Field::new(name, DataType::List(Arc::new(item)), false)
+}
+
+/// The fields of a `prompts` row.
+fn prompt_fields() -> Vec<Field> {
+    vec![
+        utf8(f::RUN_ID),
+        utf8(f::PROBLEM_ID),
+        utf8(f::GROUP_ID),
+        utf8(f::ENV),
+        u64f(f::STEP),
+        u32f(f::GROUP_SIZE),
+        utf8(f::PROMPT),
+        list(f::PROMPT_TOKEN_IDS, DataType::UInt32),
+        utf8_null(f::ANSWER),
+        utf8_null(f::INFO),
+        Field::new(f::TEMPERATURE, DataType::Float32, false),
+        u32f(f::MAX_TOKENS),
+    ]
+}
+
+/// The fields of a `samples` row: one masked, scored training sample.
+fn sample_fields() -> Vec<Field> {
+    vec![
+        utf8(f::RUN_ID),
+        utf8(f::PROBLEM_ID),
+        utf8(f::GROUP_ID),
+        utf8(f::ROLLOUT_ID),
+        utf8(f::SAMPLE_ID),
+        utf8(f::ENV),
+        u64f(f::STEP),
+        u32f(f::TURN),
+        list(f::PROMPT_TOKEN_IDS, DataType::UInt32),
+        list(f::COMPLETION_TOKEN_IDS, DataType::UInt32),
+        list(f::COMPLETION_LOGPROBS, DataType::Float32),
+        list(f::COMPLETION_VERSIONS, DataType::UInt32),
+        list(f::LOSS_MASK, DataType::Boolean),
+        utf8(f::FINISH_REASON),
+        Field::new(f::REWARD, DataType::Float32, false),
+        Field::new(f::ADVANTAGE, DataType::Float32, false),
+    ]
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use streamrl_model::device::{DeviceSpec, Precision};
 use streamrl_model::engine::{Engine, EngineConfig, SamplingParams};
 use streamrl_model::loss::{self, LossInputs, LossKind};
 use streamrl_model::optim::{Optimizer, OptimizerConfig};
-use streamrl_model::{Packed, checkpoint, parity, token_logprobs, token_logprobs_entropy};
+use streamrl_model::{Packed, Transformer, checkpoint, parity, token_logprobs, token_logprobs_entropy};
 
 /// What to measure.
 #[derive(clap::Args, Debug)]
@@ -138,6 +138,14 @@ fn kernels(d: &Device, rows: usize) -> Result<()> {
     })?;
     // Forward reads the logits; backward reads them and writes their gradient.
     row(&format!("log-softmax fwd + bwd {t}×{v}"), fused, naive, 3.0 * bytes)?;
+    masked_is_loss(d)?;
+    adamw(d)?;
+    println!("GB/s: the bytes the kernel must move at least over its time{peak}.");
+    Ok(())
+}
+
+/// The fused masked importance-sampling loss and its gradient against op by op.
+fn masked_is_loss(d: &Device) -> Result<()> {
     let n = 1 << 18;
     let lp = Var::from_tensor(&(Tensor::randn(0f32, 1.0, n, d)? - 2.0)?)?;
     let host: Vec<f32> = lp.to_vec1()?;
@@ -168,7 +176,11 @@ fn kernels(d: &Device, rows: usize) -> Result<()> {
         fused,
         naive,
         (n * 4 * 5) as f64,
-    )?;
+    )
+}
+
+/// The fused AdamW step against op by op, on 16M parameters.
+fn adamw(d: &Device) -> Result<()> {
     let n = 1 << 24;
     let time_adamw = |op_by_op: bool| -> Result<f64> {
         let vars = candle_nn::VarMap::new();
@@ -190,9 +202,7 @@ fn kernels(d: &Device, rows: usize) -> Result<()> {
         fused,
         naive,
         (n * 4 * 7) as f64,
-    )?;
-    println!("GB/s: the bytes the kernel must move at least over its time{peak}.");
-    Ok(())
+    )
 }
 
 fn row(name: &str, fused: f64, naive: f64, bytes: f64) -> Result<()> {
@@ -204,6 +214,38 @@ fn row(name: &str, fused: f64, naive: f64, bytes: f64) -> Result<()> {
         bytes / fused / 1e9
     );
     Ok(())
+}
+
+/// Greedy decode tokens/s of `model` with `slots` sequences at once, `tokens` new tokens
+/// each after 16-token prompts (after a warm-up run).
+fn decode_rate(model: &Transformer, slots: usize, tokens: usize) -> Result<f64> {
+    let mk = || -> Result<Engine> {
+        let mut e = Engine::new(
+            model.clone(),
+            0,
+            None,
+            EngineConfig {
+                max_num_seqs: slots,
+                ..Default::default()
+            },
+        );
+        for s in 0..slots {
+            let prompt: Vec<u32> = (0..16).map(|i| ((s + i * 7) % VOCAB) as u32).collect();
+            let sp = SamplingParams {
+                temperature: 0.0,
+                max_tokens: tokens,
+                ignore_eos: true,
+                ..Default::default()
+            };
+            e.add(prompt, sp)?;
+        }
+        Ok(e)
+    };
+    mk()?.run_to_completion()?; // warm-up
+    let mut e = mk()?;
+    let t0 = Instant::now();
+    let produced: usize = e.run_to_completion()?.iter().map(|o| o.tokens.len()).sum();
+    Ok(produced as f64 / t0.elapsed().as_secs_f64())
 }
 
 /// The shape of a preset with SmolLM2's vocabulary.
@@ -233,36 +275,10 @@ fn models(a: &GpuArgs, d: &Device) -> Result<()> {
             Ok(())
         })?;
         let train = n as f64 / step;
-        let mut decode = Vec::new();
-        for slots in [1usize, 32] {
-            let mk = || -> Result<Engine> {
-                let mut e = Engine::new(
-                    l.model.clone(),
-                    0,
-                    None,
-                    EngineConfig {
-                        max_num_seqs: slots,
-                        ..Default::default()
-                    },
-                );
-                for s in 0..slots {
-                    let prompt: Vec<u32> = (0..16).map(|i| ((s + i * 7) % VOCAB) as u32).collect();
-                    let sp = SamplingParams {
-                        temperature: 0.0,
-                        max_tokens: a.tokens,
-                        ignore_eos: true,
-                        ..Default::default()
-                    };
-                    e.add(prompt, sp)?;
-                }
-                Ok(e)
-            };
-            mk()?.run_to_completion()?; // warm-up
-            let mut e = mk()?;
-            let t0 = Instant::now();
-            let produced: usize = e.run_to_completion()?.iter().map(|o| o.tokens.len()).sum();
-            decode.push(produced as f64 / t0.elapsed().as_secs_f64());
-        }
+        let decode = vec![
+            decode_rate(&l.model, 1, a.tokens)?,
+            decode_rate(&l.model, 32, a.tokens)?,
+        ];
         ours.push((p.clone(), hf, params, train, decode));
     }
     let torch = torch_rates(a, &ours.iter().map(|o| o.1.clone()).collect::<Vec<_>>())?;

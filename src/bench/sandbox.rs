@@ -100,6 +100,49 @@ fn measure(n: usize, conc: usize, f: Arc<dyn Fn() -> Result<()> + Send + Sync>) 
     })
 }
 
+/// `rounds` pairs of rounds at concurrency `conc`: `argv` run bare, then in the sandbox
+/// pool (refilled first); the bare rounds and the sandbox rounds.
+fn alternating_rounds(
+    pool: &Arc<Pool>,
+    argv: &[String],
+    n: usize,
+    conc: usize,
+    rounds: usize,
+) -> Result<(Vec<Run>, Vec<Run>)> {
+    let (mut bare_runs, mut sbx_runs) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        let a = argv.to_vec();
+        bare_runs.push(measure(
+            n,
+            conc,
+            Arc::new(move || {
+                let out = std::process::Command::new(&a[0]).args(&a[1..]).output()?;
+                if out.stdout != b"1\n" {
+                    bail!("bare run printed {:?}", String::from_utf8_lossy(&out.stdout));
+                }
+                Ok(())
+            }),
+        )?);
+        // Let the pool refill before the sandbox half.
+        while pool.ready() < pool.config().pool_size {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let (p, a) = (pool.clone(), argv.to_vec());
+        sbx_runs.push(measure(
+            n,
+            conc,
+            Arc::new(move || {
+                let r = p.exec(&ExecRequest::new(a.clone()));
+                if r.status != ExecStatus::Ok {
+                    bail!("sandboxed run: {r:?}");
+                }
+                Ok(())
+            }),
+        )?);
+    }
+    Ok((bare_runs, sbx_runs))
+}
+
 pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String, rounds: usize) -> Result<()> {
     let pool = Arc::new(Pool::new(SandboxConfig {
         pool_size,
@@ -132,37 +175,7 @@ pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String, 
     for conc in concurrency {
         // Alternating rounds, the median of each column: at high concurrency one round's
         // p50 is mostly the scheduler's mood on a small machine.
-        let (mut bare_runs, mut sbx_runs) = (Vec::new(), Vec::new());
-        for _ in 0..rounds {
-            let a = argv.clone();
-            bare_runs.push(measure(
-                n,
-                conc,
-                Arc::new(move || {
-                    let out = std::process::Command::new(&a[0]).args(&a[1..]).output()?;
-                    if out.stdout != b"1\n" {
-                        bail!("bare run printed {:?}", String::from_utf8_lossy(&out.stdout));
-                    }
-                    Ok(())
-                }),
-            )?);
-            // Let the pool refill before the sandbox half.
-            while pool.ready() < pool_size {
-                std::thread::sleep(std::time::Duration::from_millis(10));
-            }
-            let (p, a) = (pool.clone(), argv.clone());
-            sbx_runs.push(measure(
-                n,
-                conc,
-                Arc::new(move || {
-                    let r = p.exec(&ExecRequest::new(a.clone()));
-                    if r.status != ExecStatus::Ok {
-                        bail!("sandboxed run: {r:?}");
-                    }
-                    Ok(())
-                }),
-            )?);
-        }
+        let (bare_runs, sbx_runs) = alternating_rounds(&pool, &argv, n, conc, rounds)?;
         let (bare, sbx) = (median_run(&bare_runs), median_run(&sbx_runs));
         // Each round's gap against the bare round run just before it, then the median:
         // the VM's speed drifts over a run, and a pair seconds apart shares most of it.

@@ -148,44 +148,7 @@ pub fn run(run_dir: &Path, rounds: usize, exe: Option<PathBuf>) -> Result<()> {
         files.1 as f64 / 1e6,
         exe.display()
     );
-    let duck = match python_importing("duckdb") {
-        None => {
-            println!("DuckDB: not measured (no python3 that imports duckdb; `pip install duckdb`)");
-            None
-        }
-        Some(path) => {
-            let mut c = Command::new("python3");
-            c.args(["-c", DUCKDB])
-                .arg(&archive)
-                .arg(rounds.to_string())
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped());
-            if let Some(p) = path {
-                c.env("PYTHONPATH", p);
-            }
-            let mut child = c.spawn()?;
-            let queries: Vec<&str> = QUERIES.iter().map(|q| q.1).collect();
-            std::io::Write::write_all(
-                &mut child.stdin.take().context("duckdb stdin")?,
-                serde_json::to_string(&queries)?.as_bytes(),
-            )?;
-            let out = child.wait_with_output()?;
-            if !out.status.success() {
-                bail!("the DuckDB run failed");
-            }
-            let v: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
-            Some(
-                v.iter()
-                    .map(|x| {
-                        (
-                            x["secs"].as_f64().unwrap_or(f64::NAN),
-                            x["rows"].as_u64().unwrap_or(0) as usize,
-                        )
-                    })
-                    .collect::<Vec<_>>(),
-            )
-        }
-    };
+    let duck = duckdb_times(&archive, rounds)?;
     println!();
     println!(
         "{:<22} {:>8} {:>16} {:>12} {:>7}",
@@ -231,6 +194,45 @@ pub fn run(run_dir: &Path, rounds: usize, exe: Option<PathBuf>) -> Result<()> {
         println!("  DuckDB: a fresh connection + one view per topic + the query, inside one python3.");
     }
     Ok(())
+}
+
+/// Every query's median seconds and row count in DuckDB over the archive's Parquet files
+/// (`None`: no python3 here imports duckdb).
+fn duckdb_times(archive: &Path, rounds: usize) -> Result<Option<Vec<(f64, usize)>>> {
+    let Some(path) = python_importing("duckdb") else {
+        println!("DuckDB: not measured (no python3 that imports duckdb; `pip install duckdb`)");
+        return Ok(None);
+    };
+    let mut c = Command::new("python3");
+    c.args(["-c", DUCKDB])
+        .arg(archive)
+        .arg(rounds.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+    if let Some(p) = path {
+        c.env("PYTHONPATH", p);
+    }
+    let mut child = c.spawn()?;
+    let queries: Vec<&str> = QUERIES.iter().map(|q| q.1).collect();
+    std::io::Write::write_all(
+        &mut child.stdin.take().context("duckdb stdin")?,
+        serde_json::to_string(&queries)?.as_bytes(),
+    )?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!("the DuckDB run failed");
+    }
+    let v: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
+    Ok(Some(
+        v.iter()
+            .map(|x| {
+                (
+                    x["secs"].as_f64().unwrap_or(f64::NAN),
+                    x["rows"].as_u64().unwrap_or(0) as usize,
+                )
+            })
+            .collect(),
+    ))
 }
 
 /// Parquet files under `dir` and their total bytes.

@@ -75,46 +75,13 @@ pub fn evaluate(
         },
     );
     let problems: Vec<_> = (0..n as u64).map(|i| env.sample(Split::Eval, i)).collect();
-    let mut ids = HashMap::new();
-    for (i, p) in problems.iter().enumerate() {
-        let text = crate::render_prompt(template, &env.prompt(p)).map_err(|e| e.to_string())?;
-        let prompt = tok.encode(&text).map_err(|e| e.to_string())?;
-        let greedy = SamplingParams {
-            temperature: 0.0,
-            max_tokens,
-            ..Default::default()
-        };
-        ids.insert(
-            engine.add(prompt.clone(), greedy).map_err(|e| e.to_string())?,
-            (i, usize::MAX),
-        );
-        for j in 0..k {
-            let sampled = SamplingParams {
-                temperature: 1.0,
-                max_tokens,
-                seed: (i * 1000 + j) as u64,
-                ..Default::default()
-            };
-            ids.insert(engine.add(prompt.clone(), sampled).map_err(|e| e.to_string())?, (i, j));
-        }
-    }
-    let score = |p: &streamrl_envs::Problem, text: &str| {
-        let parsed = env.parse_answer(text);
-        env.rubric()
-            .score(&ScoreInput {
-                problem: p,
-                completion: text,
-                parsed: parsed.as_deref(),
-                exec: None,
-            })
-            .reward
-    };
+    let ids = submit(&mut engine, env, &problems, tok, template, k, max_tokens)?;
     let mut greedy = vec![0f32; n];
     let mut texts = vec![String::new(); n];
     let mut sampled = vec![vec![0f32; k]; n];
     for o in engine.run_to_completion().map_err(|e| e.to_string())? {
         let (i, j) = ids[&o.id];
-        let r = score(&problems[i], &o.text);
+        let r = score(env, &problems[i], &o.text);
         if j == usize::MAX {
             greedy[i] = r;
             texts[i] = o.text;
@@ -144,4 +111,54 @@ pub fn evaluate(
             })
             .collect(),
     })
+}
+
+/// Queues one greedy completion and `k` samples at temperature 1 (seeded by problem and
+/// sample) per problem; request id → (problem, sample; `usize::MAX`: the greedy one).
+fn submit(
+    engine: &mut Engine,
+    env: &dyn Environment,
+    problems: &[streamrl_envs::Problem],
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    k: usize,
+    max_tokens: usize,
+) -> Result<HashMap<u64, (usize, usize)>, String> {
+    let mut ids = HashMap::new();
+    for (i, p) in problems.iter().enumerate() {
+        let text = crate::render_prompt(template, &env.prompt(p)).map_err(|e| e.to_string())?;
+        let prompt = tok.encode(&text).map_err(|e| e.to_string())?;
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ..Default::default()
+        };
+        ids.insert(
+            engine.add(prompt.clone(), greedy).map_err(|e| e.to_string())?,
+            (i, usize::MAX),
+        );
+        for j in 0..k {
+            let sampled = SamplingParams {
+                temperature: 1.0,
+                max_tokens,
+                seed: (i * 1000 + j) as u64,
+                ..Default::default()
+            };
+            ids.insert(engine.add(prompt.clone(), sampled).map_err(|e| e.to_string())?, (i, j));
+        }
+    }
+    Ok(ids)
+}
+
+/// The rubric's reward for `text` as the answer to `p`.
+fn score(env: &dyn Environment, p: &streamrl_envs::Problem, text: &str) -> f32 {
+    let parsed = env.parse_answer(text);
+    env.rubric()
+        .score(&ScoreInput {
+            problem: p,
+            completion: text,
+            parsed: parsed.as_deref(),
+            exec: None,
+        })
+        .reward
 }

@@ -396,23 +396,22 @@ mod tests {
         }
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn served_checkpoints_are_fetched_verified_and_confined_to_their_directory() {
-        let root = tempfile::tempdir().unwrap();
-        let (store, initial, cache) = (
-            root.path().join("store"),
-            root.path().join("sft"),
-            root.path().join("cache"),
-        );
+    /// A server over `<root>/store` (version 3 tagged "b") and the initial policy
+    /// `<root>/sft` (tagged "a"), with a file beside them; the cache directory.
+    fn served(root: &Path) -> (CheckpointServer, PathBuf) {
+        let (store, initial) = (root.join("store"), root.join("sft"));
         checkpoint(&initial, "a");
         checkpoint(&store.join("step-000003"), "b");
-        std::fs::write(root.path().join("outside.txt"), "no").unwrap();
-        let server = CheckpointServer::start(
-            std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
-            store.clone(),
-            initial.clone(),
-        )
-        .unwrap();
+        std::fs::write(root.join("outside.txt"), "no").unwrap();
+        let server =
+            CheckpointServer::start(std::net::TcpListener::bind("127.0.0.1:0").unwrap(), store, initial).unwrap();
+        (server, root.join("cache"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn served_checkpoints_are_fetched_once_without_the_trainers_state() {
+        let root = tempfile::tempdir().unwrap();
+        let (server, cache) = served(root.path());
         let client = reqwest::Client::new();
         let base = server.base_url();
         for (version, tag) in [(0, "a"), (3, "b")] {
@@ -420,9 +419,9 @@ mod tests {
                 .await
                 .unwrap();
             let src = if version == 0 {
-                initial.clone()
+                root.path().join("sft")
             } else {
-                store.join("step-000003")
+                root.path().join("store/step-000003")
             };
             for f in ["config.json", "model.safetensors", "tokenizer.json"] {
                 assert_eq!(
@@ -447,12 +446,15 @@ mod tests {
             fetch(&client, "file:///x/y", &cache).await.unwrap(),
             PathBuf::from("/x/y")
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn served_checkpoints_are_confined_to_their_directory() {
+        let root = tempfile::tempdir().unwrap();
+        let (server, cache) = served(root.path());
+        let client = reqwest::Client::new();
+        let base = server.base_url();
         // Unknown versions and names, and every way out of the directory, are 404s.
-        let status = |path: &str| {
-            let url = format!("{base}{path}");
-            let c = client.clone();
-            async move { c.get(url).send().await.unwrap().status().as_u16() }
-        };
         for path in [
             "/checkpoints/7/config.json",
             "/checkpoints/x/config.json",
@@ -462,14 +464,26 @@ mod tests {
             "/checkpoints/3/%2E%2E",
             "/checkpoints/3/../../outside.txt",
         ] {
-            assert_eq!(status(path).await, 404, "{path}");
+            let status = client.get(format!("{base}{path}")).send().await.unwrap().status();
+            assert_eq!(status.as_u16(), 404, "{path}");
         }
         let err = fetch(&client, &format!("{base}/checkpoints/7"), &cache)
             .await
             .unwrap_err();
         assert!(err.contains("404") && err.contains("keep_last"), "{err}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_checkpoint_changed_after_its_manifest_is_refused_and_leaves_nothing() {
+        let root = tempfile::tempdir().unwrap();
+        let (server, cache) = served(root.path());
+        let client = reqwest::Client::new();
+        let base = server.base_url();
+        fetch(&client, &format!("{base}/checkpoints/0"), &cache).await.unwrap();
+        fetch(&client, &format!("{base}/checkpoints/3"), &cache).await.unwrap();
         // A file that changed after its manifest was computed is refused, and nothing
         // partial is left in the cache.
+        let store = root.path().join("store");
         checkpoint(&store.join("step-000004"), "c");
         let _ = client
             .get(format!("{base}/checkpoints/4/manifest.json"))

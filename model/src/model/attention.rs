@@ -105,37 +105,7 @@ impl Attention {
                 )
             }
             LayerCache::Shared(c) => c.append(&k.contiguous()?, &v)?,
-            LayerCache::Ragged { caches, new_lens } => {
-                // Each row appends its own new positions to its own cache; rows are then
-                // zero-padded to the longest and the caller's mask hides the padding.
-                let k = k.contiguous()?;
-                let (mut ks, mut vs) = (Vec::with_capacity(b), Vec::with_capacity(b));
-                for (r, c) in caches.into_iter().enumerate() {
-                    let n = new_lens[r];
-                    let kr = k.narrow(0, r, 1)?.narrow(2, 0, n)?.contiguous()?;
-                    let vr = v.narrow(0, r, 1)?.narrow(2, 0, n)?.contiguous()?;
-                    let (kf, vf) = c.append(&kr, &vr)?;
-                    ks.push(kf);
-                    vs.push(vf);
-                }
-                let s = ks.iter().map(|t| t.dim(2)).collect::<candle_core::Result<Vec<_>>>()?;
-                let max = s.iter().copied().max().unwrap_or(0);
-                let pad = |ts: Vec<Tensor>| -> Result<Tensor> {
-                    let ts = ts
-                        .into_iter()
-                        .zip(&s)
-                        .map(|(t, &l)| {
-                            if l == max {
-                                Ok(t)
-                            } else {
-                                t.pad_with_zeros(2, 0, max - l)
-                            }
-                        })
-                        .collect::<candle_core::Result<Vec<_>>>()?;
-                    Ok(Tensor::cat(&ts, 0)?)
-                };
-                (pad(ks)?, pad(vs)?)
-            }
+            LayerCache::Ragged { caches, new_lens } => ragged_append(caches, new_lens, &k.contiguous()?, &v)?,
         };
         let rep = self.n_heads / self.n_kv;
         let expand = |y: Tensor| -> Result<Tensor> {
@@ -158,4 +128,42 @@ impl Attention {
             .reshape((b, t, self.n_heads * self.hd))?;
         Ok(self.o.forward(&y)?)
     }
+}
+
+/// Each row of `k`/`v` (B, kv, T, hd) appends its own `new_lens[r]` positions to its own
+/// cache; the rows' full keys and values are then zero-padded to the longest (the
+/// caller's mask hides the padding).
+fn ragged_append(
+    caches: Vec<&mut candle_nn::kv_cache::KvCache>,
+    new_lens: &[usize],
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let b = caches.len();
+    let (mut ks, mut vs) = (Vec::with_capacity(b), Vec::with_capacity(b));
+    for (r, c) in caches.into_iter().enumerate() {
+        let n = new_lens[r];
+        let kr = k.narrow(0, r, 1)?.narrow(2, 0, n)?.contiguous()?;
+        let vr = v.narrow(0, r, 1)?.narrow(2, 0, n)?.contiguous()?;
+        let (kf, vf) = c.append(&kr, &vr)?;
+        ks.push(kf);
+        vs.push(vf);
+    }
+    let s = ks.iter().map(|t| t.dim(2)).collect::<candle_core::Result<Vec<_>>>()?;
+    let max = s.iter().copied().max().unwrap_or(0);
+    let pad = |ts: Vec<Tensor>| -> Result<Tensor> {
+        let ts = ts
+            .into_iter()
+            .zip(&s)
+            .map(|(t, &l)| {
+                if l == max {
+                    Ok(t)
+                } else {
+                    t.pad_with_zeros(2, 0, max - l)
+                }
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&ts, 0)?)
+    };
+    Ok((pad(ks)?, pad(vs)?))
 }

@@ -54,29 +54,7 @@ impl Transformer {
             .index_select(&batch.tokens.flatten_all()?, 0)?
             .reshape((b, t, self.cfg.d_model))?;
         let fx = self.fused_ctx(&batch.positions, &batch.mask)?;
-        // Forward: keep each layer's input, detached, and nothing else.
-        let mut inputs = Vec::with_capacity(self.blocks.len() + 1);
-        inputs.push(x0.detach());
-        let mut moe = Vec::new();
-        let mut balance = Tensor::zeros((), DType::F32, &self.device)?;
-        for blk in &self.blocks {
-            let mut aux = Vec::new();
-            let x = inputs.last().expect("pushed");
-            let y = blk.forward(
-                x,
-                &batch.positions,
-                &batch.mask,
-                &self.rope,
-                LayerCache::None,
-                &mut aux,
-                fx.as_ref(),
-            )?;
-            for (a, st) in aux {
-                balance = (balance + a.detach())?;
-                moe.push(st);
-            }
-            inputs.push(y.detach());
-        }
+        let (inputs, balance, moe) = self.forward_keeping_inputs(&x0, batch, fx.as_ref())?;
         let missing = |what: &str| Error::Shape(format!("activation checkpointing: no gradient reached {what}"));
         // The head: final norm, logits, loss.
         let top = candle_core::Var::from_tensor(inputs.last().expect("pushed"))?;
@@ -99,15 +77,7 @@ impl Transformer {
         for (i, blk) in self.blocks.iter().enumerate().rev() {
             let x = candle_core::Var::from_tensor(&inputs[i])?;
             let mut aux = Vec::new();
-            let y = blk.forward(
-                x.as_tensor(),
-                &batch.positions,
-                &batch.mask,
-                &self.rope,
-                LayerCache::None,
-                &mut aux,
-                fx.as_ref(),
-            )?;
+            let y = self.block_forward(blk, x.as_tensor(), batch, fx.as_ref(), &mut aux)?;
             let mut surrogate = (y * &g)?.sum_all()?;
             for (a, _) in &aux {
                 surrogate = (surrogate + (a * balance_coef)?)?;
@@ -127,5 +97,42 @@ impl Transformer {
                 moe,
             },
         ))
+    }
+
+    /// The forward that keeps each layer's input, detached, and nothing else: the inputs
+    /// (the last one the top layer's output), the summed MoE balance loss (detached) and
+    /// the routing statistics.
+    fn forward_keeping_inputs(
+        &self,
+        x0: &Tensor,
+        batch: &Packed,
+        fx: Option<&FusedCtx>,
+    ) -> Result<(Vec<Tensor>, Tensor, Vec<MoeStats>)> {
+        let mut inputs = Vec::with_capacity(self.blocks.len() + 1);
+        inputs.push(x0.detach());
+        let mut moe = Vec::new();
+        let mut balance = Tensor::zeros((), DType::F32, &self.device)?;
+        for blk in &self.blocks {
+            let mut aux = Vec::new();
+            let y = self.block_forward(blk, inputs.last().expect("pushed"), batch, fx, &mut aux)?;
+            for (a, st) in aux {
+                balance = (balance + a.detach())?;
+                moe.push(st);
+            }
+            inputs.push(y.detach());
+        }
+        Ok((inputs, balance, moe))
+    }
+
+    /// One layer's training forward (no cache) over the packed batch.
+    fn block_forward(
+        &self,
+        blk: &Block,
+        x: &Tensor,
+        batch: &Packed,
+        fx: Option<&FusedCtx>,
+        aux: &mut Vec<(Tensor, MoeStats)>,
+    ) -> Result<Tensor> {
+        blk.forward(x, &batch.positions, &batch.mask, &self.rope, LayerCache::None, aux, fx)
     }
 }
