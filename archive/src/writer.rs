@@ -179,6 +179,24 @@ impl ArchiveWriter {
         Ok(())
     }
 
+    /// A Parquet file's key-value metadata: the schema's name and, on a durable bus, the
+    /// bus URL with the highest offset per partition of the rows in the file.
+    fn file_metadata(bus: Option<&str>, buf: &Buffer) -> Vec<parquet::file::metadata::KeyValue> {
+        use parquet::file::metadata::KeyValue;
+        let mut kv = vec![KeyValue::new(
+            "streamrl.schema".to_string(),
+            buf.schema.name().to_string(),
+        )];
+        if let Some(bus) = bus {
+            kv.push(KeyValue::new(META_BUS.to_string(), bus.to_string()));
+            kv.push(KeyValue::new(
+                META_OFFSETS.to_string(),
+                serde_json::to_string(&buf.offsets).unwrap_or_default(),
+            ));
+        }
+        kv
+    }
+
     fn flush_topic(&mut self, topic: &str) -> Result<()> {
         let Some(buf) = self.buffers.get_mut(topic) else {
             return Ok(());
@@ -209,23 +227,7 @@ impl ArchiveWriter {
             .set_compression(Compression::ZSTD(
                 ZstdLevel::try_new(self.cfg.zstd_level).map_err(perr)?,
             ))
-            .set_key_value_metadata(Some({
-                let mut kv = vec![parquet::file::metadata::KeyValue::new(
-                    "streamrl.schema".to_string(),
-                    buf.schema.name().to_string(),
-                )];
-                if let Some(bus) = &self.bus {
-                    kv.push(parquet::file::metadata::KeyValue::new(
-                        META_BUS.to_string(),
-                        bus.clone(),
-                    ));
-                    kv.push(parquet::file::metadata::KeyValue::new(
-                        META_OFFSETS.to_string(),
-                        serde_json::to_string(&buf.offsets).unwrap_or_default(),
-                    ));
-                }
-                kv
-            }))
+            .set_key_value_metadata(Some(Self::file_metadata(self.bus.as_deref(), buf)))
             .build();
         let file = std::fs::File::create(&tmp).map_err(|e| Error::Io {
             op: "creating",

@@ -306,15 +306,7 @@ pub async fn run_stage(
     runner
         .hook(o, st, a, consumer.as_mut(), "close", |s, o| Box::pin(s.close(o)))
         .await?;
-    if !acks.held.is_empty() || !acks.deferred.is_empty() {
-        tracing::info!(stage = %runner.instance, held = acks.held.len() + acks.deferred.len(), "inputs still held at shutdown stay unacknowledged and will be redelivered");
-    }
-    runner.producer.flush().await?;
-    for c in consumer.into_iter().chain(broadcasts.into_iter().map(|(b, _)| b)) {
-        c.close().await?;
-    }
-    tracing::info!(stage = %runner.instance, "stopped cleanly");
-    Ok(())
+    runner.stop(&acks, consumer, broadcasts).await
 }
 
 /// Ticks every `every`; a late tick is delayed, not made up for.
@@ -781,22 +773,44 @@ impl Runner {
         }
     }
 
+    /// After the stage's `close`: flushes what was produced and closes the inputs; what is
+    /// still held stays unacknowledged (and is redelivered).
+    async fn stop(
+        &mut self,
+        acks: &Acks,
+        consumer: Option<Box<dyn Consumer>>,
+        broadcasts: Vec<(Box<dyn Consumer>, bool)>,
+    ) -> Result<()> {
+        if !acks.held.is_empty() || !acks.deferred.is_empty() {
+            tracing::info!(stage = %self.instance, held = acks.held.len() + acks.deferred.len(), "inputs still held at shutdown stay unacknowledged and will be redelivered");
+        }
+        self.producer.flush().await?;
+        for c in consumer.into_iter().chain(broadcasts.into_iter().map(|(b, _)| b)) {
+            c.close().await?;
+        }
+        tracing::info!(stage = %self.instance, "stopped cleanly");
+        Ok(())
+    }
+
+    /// The schema of the message's topic and its checked headers; `Err`: why it goes to
+    /// the dead-letter topic.
+    fn input_headers(&self, msg: &Message) -> std::result::Result<(SchemaId, Headers), String> {
+        let schema = self
+            .schemas
+            .get(&msg.topic)
+            .copied()
+            .ok_or_else(|| format!("topic `{}` is not an input of this stage", msg.topic))?;
+        let headers = Headers::from_wire(&msg.headers).map_err(|e| e.to_string())?;
+        codec::check_headers(schema, &headers).map_err(|e| e.to_string())?;
+        Ok((schema, headers))
+    }
+
     async fn handle(&mut self, msg: Message, stage: &mut Box<dyn Stage>, out: &mut Emitter) -> Result<()> {
         self.metrics.in_messages.fetch_add(1, Ordering::Relaxed);
-        let schema = self.schemas.get(&msg.topic).copied();
-        let headers = match (schema, Headers::from_wire(&msg.headers)) {
-            (None, _) => {
-                return self
-                    .dead_letter(&msg, format!("topic `{}` is not an input of this stage", msg.topic))
-                    .await;
-            }
-            (_, Err(e)) => return self.dead_letter(&msg, e.to_string()).await,
-            (Some(s), Ok(h)) => match codec::check_headers(s, &h) {
-                Ok(()) => h,
-                Err(e) => return self.dead_letter(&msg, e.to_string()).await,
-            },
+        let (schema, headers) = match self.input_headers(&msg) {
+            Ok(x) => x,
+            Err(reason) => return self.dead_letter(&msg, reason).await,
         };
-        let schema = schema.expect("checked above");
         if let Some(v) = headers.policy_version {
             self.policy_version = Some(self.policy_version.map_or(v, |p| p.max(v)));
         }

@@ -61,25 +61,7 @@ pub fn run(cmd: ModelCmd) -> Result<()> {
             model_type,
         } => {
             let tok = Tokenizer::char_level();
-            let mut hf = config::preset(&preset, tok.vocab_size())?;
-            match model_type.as_str() {
-                "qwen3" => {}
-                "qwen2" => {
-                    hf.model_type = Some("qwen2".into());
-                }
-                "llama" => {
-                    hf.model_type = Some("llama".into());
-                    hf.tie_word_embeddings = false;
-                }
-                "qwen3_moe" => {
-                    hf.model_type = Some("qwen3_moe".into());
-                    hf.num_experts = Some(4);
-                    hf.num_experts_per_tok = Some(2);
-                    hf.moe_intermediate_size = Some(hf.intermediate_size / 2);
-                    hf.norm_topk_prob = Some(true);
-                }
-                other => anyhow::bail!("unknown --model-type `{other}` (qwen3, qwen2, llama, qwen3_moe)"),
-            }
+            let hf = preset_of_type(&preset, &model_type, tok.vocab_size())?;
             let loaded = checkpoint::init_seeded(&hf, &candle_core::Device::Cpu, Some(seed))?;
             let sha = checkpoint::save(&out, &hf, &loaded.vars, Some(&tok), None)
                 .with_context(|| format!("writing {}", out.display()))?;
@@ -133,6 +115,30 @@ pub fn run(cmd: ModelCmd) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// The shape of `preset` for the character tokenizer, as a checkpoint of `model_type`.
+fn preset_of_type(preset: &str, model_type: &str, vocab: usize) -> Result<config::HfConfig> {
+    let mut hf = config::preset(preset, vocab)?;
+    match model_type {
+        "qwen3" => {}
+        "qwen2" => {
+            hf.model_type = Some("qwen2".into());
+        }
+        "llama" => {
+            hf.model_type = Some("llama".into());
+            hf.tie_word_embeddings = false;
+        }
+        "qwen3_moe" => {
+            hf.model_type = Some("qwen3_moe".into());
+            hf.num_experts = Some(4);
+            hf.num_experts_per_tok = Some(2);
+            hf.moe_intermediate_size = Some(hf.intermediate_size / 2);
+            hf.norm_topk_prob = Some(true);
+        }
+        other => anyhow::bail!("unknown --model-type `{other}` (qwen3, qwen2, llama, qwen3_moe)"),
+    }
+    Ok(hf)
 }
 
 pub fn parameters(vars: &candle_nn::VarMap) -> usize {

@@ -63,10 +63,7 @@ pub async fn stream(
                     continue;
                 }
                 let text = s.tokenizer.decode(&ch.text_tokens).unwrap_or_default();
-                let mut safe = text.len().saturating_sub(hold);
-                while !text.is_char_boundary(safe) {
-                    safe -= 1;
-                }
+                let safe = safe_end(&text, hold);
                 if text[..safe].ends_with('\u{FFFD}') || safe <= ch.sent {
                     continue;
                 }
@@ -97,16 +94,30 @@ pub async fn stream(
         }
     }
     if c.include_usage {
-        let usage = Some(Some(Usage::new(p.prompt.len(), completion_tokens)));
-        let object = if head.chat {
-            "chat.completion.chunk"
-        } else {
-            "text_completion"
-        };
-        let last = head.answer::<openai::TextChoice>(object, vec![], usage);
-        let _ = out.send(serde_json::to_string(&last).unwrap_or_default());
+        let _ = out.send(usage_chunk(&head, p.prompt.len(), completion_tokens));
     }
     let _ = out.send("[DONE]".to_string());
+}
+
+/// How much of `text` can be sent: all but the last `hold` bytes (where a stop string may
+/// still begin), cut back to a character boundary.
+fn safe_end(text: &str, hold: usize) -> usize {
+    let mut safe = text.len().saturating_sub(hold);
+    while !text.is_char_boundary(safe) {
+        safe -= 1;
+    }
+    safe
+}
+
+/// The last chunk of a stream asked to include usage: no choices, the token counts.
+fn usage_chunk(head: &Head, prompt_tokens: usize, completion_tokens: usize) -> String {
+    let usage = Some(Some(Usage::new(prompt_tokens, completion_tokens)));
+    let object = if head.chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    serde_json::to_string(&head.answer::<openai::TextChoice>(object, vec![], usage)).unwrap_or_default()
 }
 
 /// A server-sent-event stream fed by a task that sends data strings.
