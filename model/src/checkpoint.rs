@@ -250,20 +250,15 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
         return Ok(vec![single]);
     }
     let index = dir.join("model.safetensors.index.json");
-    let text = std::fs::read_to_string(&index).map_err(|_| Error::Checkpoint {
-        path: dir.display().to_string(),
-        reason: "neither model.safetensors nor model.safetensors.index.json".into(),
-    })?;
+    let text = std::fs::read_to_string(&index)
+        .map_err(|_| Error::checkpoint(dir, "neither model.safetensors nor model.safetensors.index.json"))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Json {
         path: index.display().to_string(),
         reason: e.to_string(),
     })?;
     let mut files: Vec<String> = v["weight_map"]
         .as_object()
-        .ok_or_else(|| Error::Checkpoint {
-            path: index.display().to_string(),
-            reason: "no weight_map".into(),
-        })?
+        .ok_or_else(|| Error::checkpoint(&index, "no weight_map"))?
         .values()
         .filter_map(|f| f.as_str().map(str::to_string))
         .collect();
@@ -328,10 +323,7 @@ pub fn load_as(dir: &Path, device: &Device, dtype: DType) -> Result<Loaded> {
         }
     }
     if !problems.is_empty() {
-        return Err(Error::Checkpoint {
-            path: dir.display().to_string(),
-            reason: problems.join("; "),
-        });
+        return Err(Error::checkpoint(dir, problems.join("; ")));
     }
     let tok = dir.join("tokenizer.json");
     loaded.tokenizer = if tok.exists() {

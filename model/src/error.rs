@@ -51,6 +51,14 @@ pub enum Error {
 }
 
 impl Error {
+    /// The checkpoint (or GGUF file) at `path` does not fit, for `reason`.
+    pub(crate) fn checkpoint(path: &std::path::Path, reason: impl Into<String>) -> Error {
+        Error::Checkpoint {
+            path: path.display().to_string(),
+            reason: reason.into(),
+        }
+    }
+
     pub(crate) fn io<'a>(op: &'static str, path: &'a std::path::Path) -> impl FnOnce(std::io::Error) -> Error + 'a {
         move |source| Error::Io {
             op,

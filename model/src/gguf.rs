@@ -15,24 +15,15 @@ use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
 fn meta<'a>(c: &'a Content, key: &str, path: &Path) -> Result<&'a Value> {
-    c.metadata.get(key).ok_or_else(|| Error::Checkpoint {
-        path: path.display().to_string(),
-        reason: format!("no `{key}` in GGUF metadata"),
-    })
-}
-
-/// A checkpoint error about the GGUF file at `path`.
-fn bad(path: &Path, reason: impl Into<String>) -> Error {
-    Error::Checkpoint {
-        path: path.display().to_string(),
-        reason: reason.into(),
-    }
+    c.metadata
+        .get(key)
+        .ok_or_else(|| Error::checkpoint(path, format!("no `{key}` in GGUF metadata")))
 }
 
 /// Loads a llama-architecture GGUF file as a trainable f32 model with its tokenizer.
 pub fn load(path: &Path, device: &Device) -> Result<Loaded> {
     let mut file = std::fs::File::open(path).map_err(Error::io("opening", path))?;
-    let content = Content::read(&mut file).map_err(|e| bad(path, e.to_string()))?;
+    let content = Content::read(&mut file).map_err(|e| Error::checkpoint(path, e.to_string()))?;
     let hf = config(&content, path)?;
     let mut loaded = init_seeded(&hf, device, None)?;
     fill(&loaded, &content, &mut file, &hf, path, device)?;
@@ -44,7 +35,10 @@ pub fn load(path: &Path, device: &Device) -> Result<Loaded> {
 fn config(content: &Content, path: &Path) -> Result<HfConfig> {
     let arch = meta(content, "general.architecture", path)?.to_string()?.clone();
     if arch != "llama" {
-        return Err(bad(path, format!("architecture `{arch}` is not supported (llama)")));
+        return Err(Error::checkpoint(
+            path,
+            format!("architecture `{arch}` is not supported (llama)"),
+        ));
     }
     let u = |k: &str| -> Result<usize> { Ok(meta(content, &format!("llama.{k}"), path)?.to_u32()? as usize) };
     let f = |k: &str| -> Result<f64> { Ok(meta(content, &format!("llama.{k}"), path)?.to_f32()? as f64) };
@@ -54,7 +48,7 @@ fn config(content: &Content, path: &Path) -> Result<HfConfig> {
     if let Some(kind) = content.metadata.get("llama.rope.scaling.type") {
         let kind = kind.to_string()?.clone();
         if kind != "none" {
-            return Err(bad(
+            return Err(Error::checkpoint(
                 path,
                 format!("llama.rope.scaling.type `{kind}` is not supported in GGUF files (none)"),
             ));
@@ -112,13 +106,13 @@ fn fill(
             t = unpermute(&t, kv, hd)?;
         }
         let var = data.get(&hf_name).ok_or_else(|| {
-            bad(
+            Error::checkpoint(
                 path,
                 format!("`{name}` maps to `{hf_name}`, which the model does not have"),
             )
         })?;
         if var.dims() != t.dims() {
-            return Err(bad(
+            return Err(Error::checkpoint(
                 path,
                 format!("`{name}` is {:?}, `{hf_name}` needs {:?}", t.dims(), var.dims()),
             ));
@@ -127,7 +121,7 @@ fn fill(
         seen += 1;
     }
     if !unused.is_empty() {
-        return Err(bad(
+        return Err(Error::checkpoint(
             path,
             format!(
                 "GGUF tensors the llama model does not use: {unused:?} (`rope_freqs.weight` is Llama 3 RoPE scaling, which streamrl reads only from Hugging Face checkpoints)"
@@ -135,7 +129,7 @@ fn fill(
         ));
     }
     if seen != data.len() {
-        return Err(bad(
+        return Err(Error::checkpoint(
             path,
             format!(
                 "filled {seen} of {} weights (unmapped GGUF tensors: {unused:?})",

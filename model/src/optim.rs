@@ -454,20 +454,17 @@ impl Optimizer {
             reason: e.to_string(),
         })?;
         if saved.kind != self.cfg.kind {
-            return Err(Error::Checkpoint {
-                path: dir.display().to_string(),
-                reason: format!(
+            return Err(Error::checkpoint(
+                dir,
+                format!(
                     "optimizer state is {:?} but this optimizer is {:?}",
                     saved.kind, self.cfg.kind
                 ),
-            });
+            ));
         }
         let path = dir.join("optimizer.safetensors");
         let tensors = candle_core::safetensors::load(&path, &candle_core::Device::Cpu)?;
-        let missing = |k: &str| Error::Checkpoint {
-            path: path.display().to_string(),
-            reason: format!("no `{k}`"),
-        };
+        let missing = |k: &str| Error::checkpoint(&path, format!("no `{k}`"));
         for p in &mut self.params {
             match &mut p.state {
                 State::AdamW { m, v } => {

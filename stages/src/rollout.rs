@@ -391,8 +391,12 @@ impl RolloutStage {
             .unwrap_or_default()
     }
 
-    /// The tool call a finished turn ends in, as the schema's ToolCall.
-    fn tool_call(&self, env: &str, rollout_id: &str, turn: u32, text: &str) -> Vec<ToolCall> {
+    /// The tool call turn `o` ended in, as the schema's ToolCall (none unless it finished
+    /// with `tool_call` in an environment with tools).
+    fn tool_call(&self, o: &Output, env: &str, rollout_id: &str, turn: u32, text: &str) -> Vec<ToolCall> {
+        if o.finish_reason.as_str() != "tool_call" {
+            return vec![];
+        }
         let Some(t) = self.envs.as_ref().and_then(|m| m.get(env)).and_then(|e| e.tools()) else {
             return vec![];
         };
@@ -595,11 +599,7 @@ impl RolloutStage {
     fn first_turn(&self, gid: &str, index: u32, o: Output, text: String) -> Option<RolloutRow> {
         let p = &self.groups.get(gid)?.prompt;
         let rollout_id = format!("{gid}-{index}");
-        let tool_calls = if o.finish_reason.as_str() == "tool_call" {
-            self.tool_call(&p.env, &rollout_id, 0, &text)
-        } else {
-            vec![]
-        };
+        let tool_calls = self.tool_call(&o, &p.env, &rollout_id, 0, &text);
         Some(RolloutRow {
             run_id: p.run_id.clone(),
             problem_id: p.problem_id.clone(),
@@ -658,11 +658,7 @@ impl RolloutStage {
             .extend(std::iter::repeat_n(tool_version, n_tool).chain(o.versions.iter().copied()));
         c.loss_mask
             .extend(std::iter::repeat_n(false, n_tool).chain(std::iter::repeat_n(true, o.tokens.len())));
-        c.tool_calls = if o.finish_reason.as_str() == "tool_call" {
-            self.tool_call(&c.env, &c.rollout_id, turn, &text)
-        } else {
-            vec![]
-        };
+        c.tool_calls = self.tool_call(&o, &c.env, &c.rollout_id, turn, &text);
         c.finish_reason = o.finish_reason.as_str().to_string();
         c.sample_id = format!("{}-t{turn}", c.rollout_id);
         c.turn = turn;

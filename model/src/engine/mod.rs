@@ -242,10 +242,10 @@ impl Engine {
         if let Some(want) = sha256 {
             let got = checkpoint::weights_sha256(dir)?;
             if got != want {
-                return Err(Error::Checkpoint {
-                    path: dir.display().to_string(),
-                    reason: format!("checksum mismatch for policy version {version}: expected {want}, found {got}"),
-                });
+                return Err(Error::checkpoint(
+                    dir,
+                    format!("checksum mismatch for policy version {version}: expected {want}, found {got}"),
+                ));
             }
         }
         let loaded = checkpoint::load_as(dir, self.core.model.device(), self.core.model.dtype())?;
