@@ -9,8 +9,10 @@
 //! reason; every trained sample is in the archive; a source restart re-sends at most what
 //! was in flight; no dead letters.
 //!
-//! The broker is tansu with its memory engine (the broker-restart test: its S3 engine).
-//! Consumers use a 1 s session timeout (tansu accepts it): a SIGKILLed member's
+//! The broker is tansu with its memory engine (the broker-restart test: its S3 engine,
+//! with the default 6 s session timeout, `STREAMRL_RESTART_SESSION_MS`, and
+//! `STREAMRL_RESTART_STEPS`, default 12). In the SIGKILL test consumers use a 1 s session
+//! timeout (tansu accepts it): a SIGKILLed member's
 //! partitions move after it, and tansu holds every join for half of it, so a restarted
 //! replica is consuming again ~1.5 s after it starts. `STREAMRL_CHAOS_STEPS` (default
 //! 700, long enough for 20 kills at the default rate), `STREAMRL_CHAOS_KILLS` (minimum
@@ -21,7 +23,7 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -55,11 +57,9 @@ fn topology(bus: &str, shape: Shape) -> String {
         groups_per_step,
         group_size,
     } = shape;
-    let sep = if bus.contains('?') { '&' } else { '?' };
-    let session_ms: u64 = env_or("STREAMRL_CHAOS_SESSION_MS", 1000);
     format!(
         r#"
-bus: {bus}{sep}session_timeout_ms={session_ms}
+bus: {bus}
 run_id: chaos
 run_dir: run
 dead_letter: dead_letter
@@ -263,11 +263,12 @@ fn run(bus: &str, shape: Shape, mut faults: impl FnMut(&Moment)) -> Run {
     };
     let wall = t0.elapsed().as_secs_f64();
     let out = up.wait_with_output().unwrap();
-    let up_log = format!(
+    let mut up_log = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    up_log.push_str(&failed_replica_logs(dir.path(), &up_log));
     assert!(status.success(), "streamrl up failed ({status}):\n{up_log}");
     let dir = if std::env::var_os("STREAMRL_CHAOS_KEEP").is_some() {
         eprintln!("chaos: run kept in {}", dir.path().display());
@@ -281,6 +282,30 @@ fn run(bus: &str, shape: Shape, mut faults: impl FnMut(&Moment)) -> Run {
         kills: BTreeMap::new(),
         up_log,
     }
+}
+
+/// The last lines of the log of each replica that `up` saw exit with an error (a replica
+/// it restarted without a SIGKILL from the test has a cause worth reading in a failure).
+fn failed_replica_logs(dir: &Path, up_log: &str) -> String {
+    let mut out = String::new();
+    let failed: BTreeSet<&str> = up_log
+        .lines()
+        .filter(|l| l.contains("exited with status"))
+        .filter_map(|l| l.strip_prefix("up: ")?.split_whitespace().next())
+        .collect();
+    for instance in failed {
+        let path = dir.join("run/logs").join(format!("{instance}.log"));
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| format!("({}: {e})", path.display()));
+        let lines: Vec<&str> = text.lines().collect();
+        let tail = &lines[lines.len().saturating_sub(150)..];
+        out.push_str(&format!(
+            "\n--- last {} lines of {} ---\n{}\n",
+            tail.len(),
+            path.display(),
+            tail.join("\n")
+        ));
+    }
+    out
 }
 
 fn number(dir: &Path, sql: &str) -> i64 {
@@ -457,7 +482,13 @@ fn rl_loop_as_processes_survives_random_sigkills() {
     let rng = StdRng::seed_from_u64(seed);
 
     let broker = common::Broker::start();
-    let control = run(&broker.url, shape, |_| {});
+    // A 1 s session timeout: a SIGKILLed replica's partitions move within ~1 s.
+    let url = format!(
+        "{}?session_timeout_ms={}",
+        broker.url,
+        env_or::<u64>("STREAMRL_CHAOS_SESSION_MS", 1000)
+    );
+    let control = run(&url, shape, |_| {});
     drop(broker);
     let control_rows = invariants(&control, shape, Copies::Never);
     print_table(
@@ -467,7 +498,7 @@ fn rl_loop_as_processes_survives_random_sigkills() {
 
     let broker = common::Broker::start();
     let mut killer = Killer::new(rng, min_kills, Duration::from_secs_f64(control.wall));
-    let mut chaos = run(&broker.url, shape, |m| killer.at(m, max_steps));
+    let mut chaos = run(&url, shape, |m| killer.at(m, max_steps));
     drop(broker);
     chaos.kills = killer.kills;
     let chaos_rows = invariants(&chaos, shape, Copies::Never);
@@ -521,7 +552,17 @@ fn rl_loop_as_processes_rides_out_a_broker_restart() {
     // Without idempotence: tansu's S3 engine loses an acknowledged batch when it is killed
     // mid-produce under an idempotent producer (see the `idempotence` parameter in
     // runtime/src/bus/kafka.rs); a plain producer's retry writes it again instead.
-    let url = format!("{}?idempotence=false", broker.url);
+    // The default session timeout (6 s): no replica dies here, so nothing gains from
+    // noticing a dead one sooner, and the S3 engine answers a heartbeat slowly (one S3
+    // round trip each, to a Python S3 server on 2 busy cores). With a 1 s timeout,
+    // heartbeats of the ~20 group members time out, members are expelled and rejoin in
+    // a rebalance storm that starves consumers: seen as a run 4x slower, and once as an
+    // archive that could not drain its inputs within a minute of the run's end.
+    let url = format!(
+        "{}?idempotence=false&session_timeout_ms={}",
+        broker.url,
+        env_or::<u64>("STREAMRL_RESTART_SESSION_MS", 6000)
+    );
     let mut restarted_at = None;
     // (when the broker came back, when the next version was published after it).
     let mut back: Option<(Duration, Option<Duration>)> = None;

@@ -32,7 +32,10 @@
 //!   tansu 0.6 lets a restarted static member wait ~20 s for its assignment, where a
 //!   dynamic member with a short session timeout is consuming again in ~3 s.
 //! * A SIGKILLed member's partitions move after `session_timeout_ms` (default 6000, the
-//!   lowest Apache Kafka accepts by default; tansu accepts less, e.g. 3000).
+//!   lowest Apache Kafka accepts by default; tansu accepts less, e.g. 3000). It is also
+//!   how long a heartbeat may take: below the broker's worst heartbeat latency, members
+//!   are expelled and rejoin over and over (seen with 1000 on tansu's S3 engine under
+//!   load: a rebalance storm that stalled consumers for minutes).
 //! * Broker outages do not end a consumer: transient errors (all brokers down, transport
 //!   failures) are logged and retried with backoff; only fatal errors are returned.
 //!
