@@ -415,6 +415,68 @@ fn top_logprobs_and_prompt_scores_agree_with_the_sampled_logprobs(k: bool) {
     assert!(e.prompt_logprobs(&[1], 3).unwrap().is_empty());
 }
 
+/// A version prepared on another thread and installed serves exactly as one loaded in
+/// place; while admissions are held the running sequence goes on decoding and a new
+/// request waits, then starts on the installed version.
+fn a_version_prepared_on_another_thread_serves_like_one_loaded_in_place(k: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = Tokenizer::char_level();
+    let v1 = dir.path().join("v1");
+    let hf = config::preset("tiny", tok.vocab_size()).unwrap();
+    let l = checkpoint::init_seeded(&hf, &Device::Cpu, Some(9)).unwrap();
+    let sha = checkpoint::save(&v1, &hf, &l.vars, Some(&tok), None).unwrap();
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        max_tokens: 8,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let (p, q) = (prompts()[1].clone(), prompts()[4].clone());
+    let mut in_place = engine(k, 5, 4);
+    in_place.load_weights(&v1, 1, Some(&sha)).unwrap();
+    in_place.add(q.clone(), greedy.clone()).unwrap();
+    let want = in_place.run_to_completion().unwrap().remove(0);
+
+    let mut e = engine(k, 5, 4);
+    let running = e.add(p, greedy.clone()).unwrap();
+    e.step().unwrap();
+    let loader = e.loader();
+    let (v1_, sha_) = (v1.clone(), sha.clone());
+    let prepared = std::thread::spawn(move || loader.load(&v1_, 1, Some(&sha_)));
+    e.hold_admissions(true);
+    let waiting = e.add(q, greedy).unwrap();
+    e.step().unwrap();
+    assert_eq!(
+        (e.num_running(), e.num_waiting()),
+        (1, 1),
+        "held: only the running one decodes"
+    );
+    let prepared = prepared.join().unwrap().unwrap();
+    assert_eq!(prepared.version(), 1);
+    e.install(prepared).unwrap();
+    e.hold_admissions(false);
+    let outs = by_id(e.run_to_completion().unwrap());
+    let (first, second) = (&outs[0], &outs[1]);
+    assert_eq!((first.id, second.id), (running, waiting));
+    assert_eq!(first.versions[..2], [0, 0]);
+    assert!(first.versions[2..].iter().all(|v| *v == 1), "{:?}", first.versions);
+    assert_eq!(second.tokens, want.tokens);
+    // (To f32 rounding: here it shared its steps with another sequence.)
+    for (a, b) in second.logprobs.iter().zip(&want.logprobs) {
+        assert!((a - b).abs() <= 1e-5, "{:?} vs {:?}", second.logprobs, want.logprobs);
+    }
+    assert!(second.versions.iter().all(|v| *v == 1));
+    // A bad checksum fails in the loader, before anything is installed.
+    let err = e
+        .loader()
+        .load(&v1, 2, Some(&"0".repeat(64)))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("checksum mismatch"), "{err}");
+    assert_eq!(e.version(), 1);
+}
+
 macro_rules! suite {
     ($($name:ident),* $(,)?) => {
         mod cpu_kernels {
@@ -437,6 +499,7 @@ suite!(
     sampled_logprobs_equal_a_full_recompute,
     a_weight_swap_changes_versions_from_that_token_on_and_nothing_before,
     a_failed_weight_load_keeps_the_old_weights_serving,
+    a_version_prepared_on_another_thread_serves_like_one_loaded_in_place,
     stop_strings_tool_markers_stop_tokens_and_max_tokens,
     bad_requests_are_refused_with_every_reason,
     cancelling_one_running_sequence_leaves_the_others_untouched,

@@ -92,6 +92,7 @@ pub enum Which {
     },
     /// Weight-sync time (publication → every replica serving) over HTTP from the trainer's
     /// checkpoint server vs file:// on a shared disk; tiny and small, 1 and 4 replicas.
+    /// Then the decode pause per version: loaded in place vs prepared beside decoding.
     Weights {
         /// Versions published per row (the median is reported).
         #[arg(long, default_value_t = 5)]

@@ -1,7 +1,9 @@
 //! `streamrl bench weights`: weight-sync time, from a version's publication to every
 //! replica serving it, through the trainer's checkpoint server over HTTP (download, check
 //! each file, load, swap into a running engine) against `file://` on a shared disk (load,
-//! swap) in the same process, for the tiny and small presets and 1 and 4 replicas.
+//! swap) in the same process, for the tiny and small presets and 1 and 4 replicas; then
+//! the decode pause a new version costs a serving engine, loaded on its own thread
+//! against prepared beside it and installed, for tiny, small and SmolLM2-135M's shape.
 
 use std::path::Path;
 use std::time::Instant;
@@ -99,5 +101,53 @@ pub fn run(versions: usize) -> Result<()> {
     println!("  http://: every replica downloads it from the trainer's checkpoint server into its own");
     println!("  cache (each file checked against the manifest), then loads and swaps. One process,");
     println!("  one thread per replica; the weights hash is checked in both.");
+    println!();
+    pauses(versions)
+}
+
+/// The decode pause per new version: the engine loading it on its own thread
+/// ([`Engine::load_weights`]: hash, read, lay out, swap; what the rollout stage did until
+/// it prepared versions beside decoding) against installing a version a
+/// [`WeightLoader`](streamrl_model::engine::WeightLoader) prepared on another thread
+/// ([`Engine::install`]). Medians of `versions`.
+fn pauses(versions: usize) -> Result<()> {
+    println!(
+        "{:<8} {:>9} {:>18} {:>18} {:>16} {:>9}",
+        "preset", "MB", "load in place (ms)", "prepare beside (ms)", "install (ms)", "ratio"
+    );
+    for preset in ["tiny", "small", "smollm2"] {
+        let vocab = if preset == "smollm2" {
+            49152
+        } else {
+            Tokenizer::char_level().vocab_size()
+        };
+        let hf = config::preset(preset, vocab)?;
+        let root = tempfile::tempdir()?;
+        let dir = root.path().join("version");
+        let loaded = checkpoint::init_seeded(&hf, &Device::Cpu, Some(0))?;
+        let sha = checkpoint::save(&dir, &hf, &loaded.vars, None, None)?;
+        let mb = std::fs::metadata(dir.join("model.safetensors"))?.len() as f64 / 1e6;
+        let mut engine = Engine::new(loaded.model, 0, None, EngineConfig::default());
+        let (mut in_place, mut beside, mut install) = (Vec::new(), Vec::new(), Vec::new());
+        for v in 0..versions as u32 {
+            let t0 = Instant::now();
+            engine.load_weights(&dir, 2 * v + 1, Some(&sha))?;
+            in_place.push(t0.elapsed().as_secs_f64() * 1e3);
+            let (loader, dir, sha) = (engine.loader(), dir.clone(), sha.clone());
+            let t0 = Instant::now();
+            let prepared = std::thread::spawn(move || loader.load(&dir, 2 * v + 2, Some(&sha)))
+                .join()
+                .map_err(|_| anyhow!("the loader panicked"))??;
+            beside.push(t0.elapsed().as_secs_f64() * 1e3);
+            let t0 = Instant::now();
+            engine.install(prepared)?;
+            install.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        let (a, b, c) = (median(in_place), median(beside), median(install));
+        println!("{preset:<8} {mb:>9.1} {a:>18.1} {b:>18.1} {c:>16.3} {:>9.0}", a / c);
+    }
+    println!("  load in place: the engine hashes, reads and lays out the version itself; decoding");
+    println!("  stops meanwhile. prepare beside: the same on another thread while the engine goes on");
+    println!("  decoding; install: the decode pause it leaves (a move). ratio: in place / install.");
     Ok(())
 }

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use streamrl_model::Tokenizer;
 use streamrl_model::checkpoint;
 use streamrl_model::device::{DeviceSpec, Precision};
-use streamrl_model::engine::{Engine, EngineConfig, Event, Output, SamplingParams};
+use streamrl_model::engine::{Engine, EngineConfig, Event, Output, Prepared, SamplingParams};
 use streamrl_runtime::build::{BuildContext, BuildError, BuildStage};
 use streamrl_runtime::{Emitter, Input, Stage, StageError};
 use streamrl_schemas::{
@@ -260,6 +260,10 @@ pub struct RolloutStage {
     /// Continuations being generated, by rollout id.
     turns: std::collections::HashSet<String>,
     load_failures: u64,
+    /// The policy version a local engine is preparing beside decoding, if any.
+    loading: Option<Loading>,
+    /// The newest version announced while another was loading: prepared next.
+    queued: Option<PolicyRow>,
     /// Downloads `http://` policy versions (a trainer serving its checkpoints).
     http: reqwest::Client,
     instruments: streamrl_runtime::instruments::Instruments,
@@ -269,6 +273,18 @@ impl std::fmt::Debug for RolloutStage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RolloutStage").field("cfg", &self.cfg).finish()
     }
+}
+
+/// A policy version being read, checked and laid out on a blocking thread
+/// ([`WeightLoader`](streamrl_model::engine::WeightLoader)) while the engine decodes with
+/// the current one. Meanwhile the engine admits no new request, so that groups arriving
+/// now start on the version being prepared; running sequences keep decoding. It is
+/// installed between two decode steps (a move): the decode pause is that alone.
+struct Loading {
+    row: PolicyRow,
+    /// When the policy message arrived.
+    started: Instant,
+    task: tokio::task::JoinHandle<Result<Prepared, String>>,
 }
 
 /// FNV-1a of the group id and the sample's index in it.
@@ -306,6 +322,8 @@ impl BuildStage for RolloutStage {
             requests: HashMap::new(),
             turns: Default::default(),
             load_failures: 0,
+            loading: None,
+            queued: None,
             http: reqwest::Client::new(),
         })
     }
@@ -509,6 +527,11 @@ impl RolloutStage {
     async fn drive(&mut self, out: &mut Emitter, deadline: Instant) -> Result<(), StageError> {
         let mut done = Vec::new();
         while Instant::now() < deadline {
+            if self.loading.is_some() {
+                // With nothing running, there is nothing to decode meanwhile: wait for it.
+                let idle = matches!(&self.backend, Backend::Local(e) if e.num_running() == 0);
+                self.poll_load(out, idle.then_some(deadline)).await;
+            }
             let mut new = Vec::new();
             match &mut self.backend {
                 Backend::Local(engine) => {
@@ -666,20 +689,45 @@ impl RolloutStage {
         trajectory_into!(c, RolloutRow { created_at: now_ms() })
     }
 
+    /// Waits until every version announced so far serves (or failed to load), for a
+    /// caller that needs it in place before what it does next; meanwhile nothing decodes.
+    pub async fn settle_policy(&mut self, out: &mut Emitter) {
+        while self.loading.is_some() {
+            self.poll_load(out, Some(Instant::now() + Duration::from_secs(24 * 3600)))
+                .await;
+        }
+    }
+
+    /// The version being prepared beside decoding, if any.
+    pub fn preparing(&self) -> Option<u32> {
+        self.loading.as_ref().map(|l| l.row.version)
+    }
+
+    /// The newest version serving, being prepared or queued.
+    fn newest_version(&self) -> u32 {
+        let pending = [self.loading.as_ref().map(|l| &l.row), self.queued.as_ref()];
+        pending
+            .into_iter()
+            .flatten()
+            .map(|p| p.version)
+            .fold(self.version(), u32::max)
+    }
+
+    /// A newer policy version: a local engine prepares it beside decoding ([`Loading`];
+    /// one at a time, the newest announced one next); a remote engine loads it itself
+    /// (`sync_weights`) or is only told the version.
     async fn load_policy(&mut self, p: &PolicyRow, out: &mut Emitter) {
-        if p.version <= self.version() {
+        if p.version <= self.newest_version() {
             return;
         }
         let t0 = Instant::now();
         let sync = matches!(&self.cfg.engine, EngineChoice::Openai(o) if o.sync_weights);
-        // An http:// version is downloaded into this replica's cache first (a remote
-        // engine is sent the URL and fetches it itself).
-        let cache = self.ctx.weights_cache();
         let r = match &mut self.backend {
-            Backend::Local(engine) => match crate::weights::fetch(&self.http, &p.uri, &cache).await {
-                Ok(dir) => compute(|| engine.load_weights(&dir, p.version, Some(&p.sha256))).map_err(|e| e.to_string()),
-                Err(e) => Err(e),
-            },
+            Backend::Local(_) if self.loading.is_some() => {
+                self.queued = Some(p.clone());
+                return;
+            }
+            Backend::Local(_) => return self.start_load(p.clone(), out).await,
             Backend::Remote(engine) if sync => {
                 let location = if p.uri.starts_with("http") {
                     p.uri.clone()
@@ -693,23 +741,97 @@ impl RolloutStage {
                 Ok(())
             }
         };
+        self.policy_loaded(p, r, t0, None, out);
+    }
+
+    /// Starts preparing `p` for the local engine: an `http://` version is downloaded into
+    /// this replica's cache first, then read, checked and laid out on a blocking thread.
+    async fn start_load(&mut self, p: PolicyRow, out: &mut Emitter) {
+        let t0 = Instant::now();
+        let dir = match crate::weights::fetch(&self.http, &p.uri, &self.ctx.weights_cache()).await {
+            Ok(dir) => dir,
+            Err(e) => return self.policy_loaded(&p, Err(e), t0, None, out),
+        };
+        let Backend::Local(engine) = &mut self.backend else {
+            return;
+        };
+        let loader = engine.loader();
+        engine.hold_admissions(true);
+        let (version, sha) = (p.version, p.sha256.clone());
+        let task =
+            tokio::task::spawn_blocking(move || loader.load(&dir, version, Some(&sha)).map_err(|e| e.to_string()));
+        self.loading = Some(Loading {
+            row: p,
+            started: t0,
+            task,
+        });
+    }
+
+    /// Installs the version being prepared once it is ready (waiting for it until `wait`,
+    /// when given), then starts on the one queued behind it, or admits again.
+    async fn poll_load(&mut self, out: &mut Emitter, wait: Option<Instant>) {
+        let Some(l) = self.loading.as_mut() else { return };
+        let r = if l.task.is_finished() {
+            (&mut l.task).await
+        } else {
+            let Some(until) = wait else { return };
+            match tokio::time::timeout_at(until.into(), &mut l.task).await {
+                Ok(r) => r,
+                Err(_) => return,
+            }
+        };
+        let Some(Loading { row, started, .. }) = self.loading.take() else {
+            return;
+        };
+        let Backend::Local(engine) = &mut self.backend else {
+            return;
+        };
+        let swap = Instant::now();
+        let r = r
+            .map_err(|e| format!("preparing the weights failed: {e}"))
+            .and_then(|prepared| prepared)
+            .and_then(|prepared| engine.install(prepared).map_err(|e| e.to_string()));
+        let pause = swap.elapsed();
+        self.policy_loaded(&row, r, started, Some(pause), out);
+        if let Some(next) = self.queued.take() {
+            self.start_load(next, out).await;
+        }
+        if self.loading.is_none()
+            && let Backend::Local(engine) = &mut self.backend
+        {
+            engine.hold_admissions(false);
+        }
+    }
+
+    /// Metrics of a version now serving (`pause`: how long decoding stopped for the swap,
+    /// for a local engine), or of a failed load (the old weights keep serving).
+    fn policy_loaded(
+        &mut self,
+        p: &PolicyRow,
+        r: Result<(), String>,
+        t0: Instant,
+        pause: Option<Duration>,
+        out: &mut Emitter,
+    ) {
         match r {
             Ok(()) => {
                 tracing::debug!(stage = %self.ctx.instance(), version = p.version, ms = t0.elapsed().as_millis() as u64, "loaded policy");
                 let sync_ms = (crate::now_ms() - p.created_at).max(0);
                 self.instruments
                     .weight_sync(std::time::Duration::from_millis(sync_ms as u64));
-                if let Some((t, b)) = self.ctx.metrics(
-                    p.step,
-                    &[
-                        ("weight_load_ms", t0.elapsed().as_secs_f64() * 1e3),
-                        // From the trainer's publication (the row's created_at, its
-                        // clock) to this replica serving it; the largest over replicas
-                        // is the version's weight-sync time.
-                        ("weight_sync_ms", sync_ms as f64),
-                        ("policy_version", p.version as f64),
-                    ],
-                ) {
+                let mut values = vec![
+                    // From the policy message to serving it (download, check, load).
+                    ("weight_load_ms", t0.elapsed().as_secs_f64() * 1e3),
+                    // From the trainer's publication (the row's created_at, its clock)
+                    // to this replica serving it; the largest over replicas is the
+                    // version's weight-sync time.
+                    ("weight_sync_ms", sync_ms as f64),
+                    ("policy_version", p.version as f64),
+                ];
+                if let Some(pause) = pause {
+                    values.push(("weight_swap_ms", pause.as_secs_f64() * 1e3));
+                }
+                if let Some((t, b)) = self.ctx.metrics(p.step, &values) {
                     out.emit(t, b);
                 }
             }

@@ -498,9 +498,11 @@ async fn rollout_generates_whole_groups_and_swaps_policies_that_load() {
         .process(input("policy", std::slice::from_ref(&bad)), &mut out)
         .await
         .unwrap();
+    stage.settle_policy(&mut out).await;
     assert_eq!(stage.version(), 0);
     let good = PolicyRow { sha256: sha1, ..bad };
     stage.process(input("policy", &[good]), &mut out).await.unwrap();
+    stage.settle_policy(&mut out).await;
     assert_eq!(stage.version(), 1);
     let mut out = Emitter::default();
     stage
@@ -563,6 +565,7 @@ async fn rollout_swaps_weights_mid_group_with_every_slot_full() {
         created_at: 0,
     };
     stage.process(input("policy", &[policy]), &mut out).await.unwrap();
+    stage.settle_policy(&mut out).await;
     assert_eq!(stage.version(), 1);
     tick_until_released(&mut stage, &mut out).await;
     let rows: Vec<RolloutRow> = batches(&mut out, "rollouts");
@@ -574,6 +577,82 @@ async fn rollout_swaps_weights_mid_group_with_every_slot_full() {
         assert_eq!(v[LEN - 1], 1, "{v:?}");
         assert!(v.windows(2).all(|w| w[0] <= w[1]), "{v:?}");
     }
+}
+
+/// A new version is read, checked and laid out on another thread: the policy message
+/// returns at once with the old version still serving, the group in flight keeps its
+/// place, a group that arrives meanwhile waits for the new version and is generated on it
+/// alone, and the swap itself (the decode pause) is reported apart from the whole load.
+#[tokio::test]
+async fn rollout_prepares_a_new_version_beside_decoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let (v0, v1) = (dir.path().join("v0"), dir.path().join("v1"));
+    tiny(&v0, 0);
+    let sha1 = tiny(&v1, 1);
+    let cfg = RolloutConfig {
+        checkpoint: v0,
+        max_inflight_groups: 2,
+        slice_ms: 1,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let outputs = [("rollouts", SchemaId::Rollouts), ("metrics", SchemaId::Metrics)];
+    let mut stage = RolloutStage::build(cfg, &ctx("rollout", dir.path(), &outputs)).unwrap();
+    let mut out = Emitter::default();
+    const LEN: usize = 200;
+    let long = PromptRow {
+        max_tokens: LEN as u32,
+        ..prompt("g1", 2)
+    };
+    stage.process(input("prompts", &[long]), &mut out).await.unwrap();
+    stage.tick(&mut out).await.unwrap();
+    let policy = PolicyRow {
+        run_id: "test".into(),
+        version: 1,
+        step: 1,
+        uri: format!("file://{}", v1.display()),
+        sha256: sha1,
+        created_at: 0,
+    };
+    stage.process(input("policy", &[policy]), &mut out).await.unwrap();
+    assert_eq!((stage.version(), stage.preparing()), (0, Some(1)));
+    stage
+        .process(input("prompts", &[prompt("g2", 2)]), &mut out)
+        .await
+        .unwrap();
+    // Whether or not the new version is ready by then, g2 starts on it.
+    stage.tick(&mut out).await.unwrap();
+    stage.settle_policy(&mut out).await;
+    assert_eq!((stage.version(), stage.preparing()), (1, None));
+    for _ in 0..10_000 {
+        if out.released().len() == 2 {
+            break;
+        }
+        stage.tick(&mut out).await.unwrap();
+    }
+    let mut released = out.released().to_vec();
+    released.sort();
+    assert_eq!(released, ["g1", "g2"]);
+    let emitted = out.drain();
+    let rows = rows_in::<RolloutRow>(&emitted, "rollouts");
+    assert_eq!(rows.len(), 4);
+    for r in &rows {
+        let v = &r.completion_versions;
+        if r.group_id == "g2" {
+            assert!(v.iter().all(|v| *v == 1), "g2 began before the new version: {v:?}");
+        } else {
+            assert_eq!((v[0], v[LEN - 1]), (0, 1), "{v:?}");
+        }
+    }
+    let (load, swap) = (
+        metric_values(&emitted, "weight_load_ms"),
+        metric_values(&emitted, "weight_swap_ms"),
+    );
+    assert_eq!((load.len(), swap.len()), (1, 1), "{load:?} {swap:?}");
+    assert!(
+        swap[0] <= load[0],
+        "the swap ({swap:?} ms) is part of the load ({load:?} ms)"
+    );
 }
 
 fn sample(group: &str, i: u32, reward: f32, adv: f32, version: u32) -> SampleRow {

@@ -6,6 +6,7 @@ use candle_core::Tensor;
 
 use super::core::{Core, Seq, now_ms};
 use super::{Event, StepBackend};
+use crate::infer::CpuModel;
 use crate::model::{BatchKv, KvCache, MASKED};
 use crate::{Result, Transformer};
 
@@ -42,8 +43,8 @@ impl StepBackend for CandleStep {
         self.batch.keep(&keep)
     }
 
-    fn swap(&mut self, _model: &Transformer) -> Result<()> {
-        Ok(())
+    fn swap(&mut self, _model: &Transformer, _layout: Option<Box<CpuModel>>) -> Result<Option<Box<CpuModel>>> {
+        Ok(None)
     }
 }
 

@@ -48,6 +48,8 @@ pub(crate) struct Core {
     pub(crate) running: Vec<Seq>,
     pub(crate) next_id: u64,
     pub(crate) stats: EngineStats,
+    /// Admit nothing ([`Engine::hold_admissions`](super::Engine::hold_admissions)).
+    pub(crate) hold: bool,
 }
 
 /// Milliseconds since the Unix epoch.
@@ -63,6 +65,9 @@ impl Core {
     /// order. With sequences running, waits until `min_batch` slots are free (or fewer
     /// than that are waiting).
     pub(crate) fn admit(&mut self, min_batch: usize) -> Vec<Seq> {
+        if self.hold {
+            return Vec::new();
+        }
         let free = self.cfg.max_num_seqs.saturating_sub(self.running.len());
         if !self.running.is_empty() && free < min_batch && self.waiting.len() >= min_batch {
             return Vec::new();

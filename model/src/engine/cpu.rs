@@ -74,8 +74,11 @@ impl StepBackend for CpuStep {
         Ok(())
     }
 
-    fn swap(&mut self, model: &Transformer) -> Result<()> {
-        *self.0 = CpuModel::new(model)?;
-        Ok(())
+    fn swap(&mut self, model: &Transformer, layout: Option<Box<CpuModel>>) -> Result<Option<Box<CpuModel>>> {
+        let new = match layout {
+            Some(l) => l,
+            None => Box::new(CpuModel::new(model)?),
+        };
+        Ok(Some(std::mem::replace(&mut self.0, new)))
     }
 }

@@ -18,7 +18,11 @@
 //! (`log_softmax(logits / T)`, full vocabulary, before top-k/top-p truncation; greedy
 //! reports T = 1) and the policy version that produced it. [`Engine::swap`] and
 //! [`Engine::load_weights`] replace the weights *between* steps without touching running
-//! sequences: their next tokens come from the new weights and carry the new version.
+//! sequences: their next tokens come from the new weights and carry the new version. The
+//! slow part of a swap can run beside decoding: a [`WeightLoader`] (from
+//! [`Engine::loader`]) prepares a version on another thread, and [`Engine::install`]
+//! swaps it in (a move). [`Engine::hold_admissions`] keeps waiting requests out of the
+//! batch meanwhile, so that they start on the version being prepared.
 //!
 //! ```
 //! use streamrl_model::engine::{Engine, EngineConfig, SamplingParams};
@@ -68,8 +72,59 @@ trait StepBackend: Send {
     fn step(&mut self, core: &mut Core, events: &mut Vec<Event>) -> Result<()>;
     /// Running sequence `row` was cancelled: its keys and values go.
     fn drop_row(&mut self, row: usize) -> Result<()>;
-    /// The weights are now `model` (same shape as before).
-    fn swap(&mut self, model: &Transformer) -> Result<()>;
+    /// The weights are now `model` (same shape as before); `layout` is `model` already in
+    /// this backend's own layout when a [`WeightLoader`] built it off the decode path.
+    /// Returns the old layout, if the backend had one, for the caller to free.
+    fn swap(&mut self, model: &Transformer, layout: Option<Box<CpuModel>>) -> Result<Option<Box<CpuModel>>>;
+}
+
+/// A policy version read, checked and laid out for an engine's kernels, ready for
+/// [`Engine::install`]: the slow part of a weight swap (hashing, reading, transposing
+/// into the CPU kernels' layout), done by a [`WeightLoader`] on any thread while the
+/// engine keeps decoding.
+pub struct Prepared {
+    model: Transformer,
+    layout: Option<Box<CpuModel>>,
+    version: u32,
+}
+
+impl Prepared {
+    /// The policy version it holds.
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+}
+
+/// Loads checkpoints for one engine (its device, dtype and kernels) without borrowing it:
+/// `Send` and cheap to clone, for a background thread. See [`Engine::loader`].
+#[derive(Clone)]
+pub struct WeightLoader {
+    device: candle_core::Device,
+    dtype: candle_core::DType,
+    cpu_layout: bool,
+}
+
+impl WeightLoader {
+    /// Loads a checkpoint directory as policy `version`, checking its weights' SHA-256
+    /// when given, and lays it out for the engine's kernels.
+    pub fn load(&self, dir: &Path, version: u32, sha256: Option<&str>) -> Result<Prepared> {
+        if let Some(want) = sha256 {
+            let got = checkpoint::weights_sha256(dir)?;
+            if got != want {
+                return Err(Error::checkpoint(
+                    dir,
+                    format!("checksum mismatch for policy version {version}: expected {want}, found {got}"),
+                ));
+            }
+        }
+        let model = checkpoint::load_as(dir, &self.device, self.dtype)?.model;
+        let layout = if self.cpu_layout {
+            Some(Box::new(CpuModel::new(&model)?))
+        } else {
+            None
+        };
+        Ok(Prepared { model, layout, version })
+    }
 }
 
 /// The continuous-batching engine. See the [module docs](self).
@@ -97,6 +152,7 @@ impl Engine {
                 running: Vec::new(),
                 next_id: 0,
                 stats: EngineStats::default(),
+                hold: false,
             },
             backend,
         }
@@ -138,9 +194,15 @@ impl Engine {
         self.core.running.len()
     }
 
+    /// While `hold` is true, steps admit no waiting request (running sequences go on):
+    /// for requests that should start on a version still being prepared.
+    pub fn hold_admissions(&mut self, hold: bool) {
+        self.core.hold = hold;
+    }
+
     /// Whether a step would do anything.
     pub fn has_work(&self) -> bool {
-        !self.core.waiting.is_empty() || !self.core.running.is_empty()
+        !self.core.running.is_empty() || (!self.core.hold && !self.core.waiting.is_empty())
     }
 
     /// Queues a request; returns its id. Invalid parameters, an empty prompt or one that
@@ -211,6 +273,27 @@ impl Engine {
     /// Replaces the weights between steps. The new model must have the same shape
     /// (vocabulary, layers, heads): running sequences keep their caches.
     pub fn swap(&mut self, model: Transformer, version: u32) -> Result<()> {
+        self.install(Prepared {
+            model,
+            layout: None,
+            version,
+        })
+    }
+
+    /// A loader for this engine's device, dtype and kernels, to prepare the next version
+    /// on another thread while this one decodes.
+    pub fn loader(&self) -> WeightLoader {
+        WeightLoader {
+            device: self.core.model.device().clone(),
+            dtype: self.core.model.dtype(),
+            cpu_layout: self.backend.name() == "cpu",
+        }
+    }
+
+    /// Swaps in prepared weights between steps (a move, no copy, when they were prepared
+    /// by this engine's [`loader`](Self::loader)); the same shape rules as [`swap`](Self::swap).
+    pub fn install(&mut self, prepared: Prepared) -> Result<()> {
+        let Prepared { model, layout, version } = prepared;
         let (a, b) = (self.core.model.config(), model.config());
         if (a.vocab, a.n_layers, a.n_kv_heads, a.head_dim, a.d_model)
             != (b.vocab, b.n_layers, b.n_kv_heads, b.head_dim, b.d_model)
@@ -229,8 +312,15 @@ impl Engine {
                 a.d_model
             )));
         }
-        self.backend.swap(&model)?;
-        self.core.model = model;
+        let old_layout = self.backend.swap(&model, layout)?;
+        let old_model = std::mem::replace(&mut self.core.model, model);
+        // Freeing the old weights (over a GB at 135M parameters: the model and its CPU
+        // layout) takes tens of ms: not on the decode path.
+        let old = (old_model, old_layout);
+        // (Without a thread to spare, spawn drops the closure, and the weights, here.)
+        let _ = std::thread::Builder::new()
+            .name("free-weights".into())
+            .spawn(move || drop(old));
         self.core.version = version;
         self.core.stats.swaps += 1;
         Ok(())
@@ -238,18 +328,10 @@ impl Engine {
 
     /// Loads a checkpoint directory as policy `version`, checking its weights' SHA-256
     /// when given. On any failure the old weights keep serving and the error says why.
+    /// ([`loader`](Self::loader) then [`install`](Self::install), on this thread.)
     pub fn load_weights(&mut self, dir: &Path, version: u32, sha256: Option<&str>) -> Result<()> {
-        if let Some(want) = sha256 {
-            let got = checkpoint::weights_sha256(dir)?;
-            if got != want {
-                return Err(Error::checkpoint(
-                    dir,
-                    format!("checksum mismatch for policy version {version}: expected {want}, found {got}"),
-                ));
-            }
-        }
-        let loaded = checkpoint::load_as(dir, self.core.model.device(), self.core.model.dtype())?;
-        self.swap(loaded.model, version)
+        let prepared = self.loader().load(dir, version, sha256)?;
+        self.install(prepared)
     }
 
     /// Scores a prompt with the current weights: for each token after the first, its
