@@ -170,13 +170,20 @@ fn a_weight_swap_changes_versions_from_that_token_on_and_nothing_before(k: bool)
     );
 }
 
+/// A tiny checkpoint (seed 9) saved as `dir/v1`; its path and weights hash.
+fn saved_v1(dir: &std::path::Path) -> (std::path::PathBuf, String) {
+    let tok = Tokenizer::char_level();
+    let v1 = dir.join("v1");
+    let hf = config::preset("tiny", tok.vocab_size()).unwrap();
+    let l = checkpoint::init_seeded(&hf, &Device::Cpu, Some(9)).unwrap();
+    let sha = checkpoint::save(&v1, &hf, &l.vars, Some(&tok), None).unwrap();
+    (v1, sha)
+}
+
 fn a_failed_weight_load_keeps_the_old_weights_serving(k: bool) {
     let dir = tempfile::tempdir().unwrap();
     let tok = Tokenizer::char_level();
-    let good = dir.path().join("v1");
-    let hf = config::preset("tiny", tok.vocab_size()).unwrap();
-    let l = checkpoint::init_seeded(&hf, &Device::Cpu, Some(9)).unwrap();
-    let sha = checkpoint::save(&good, &hf, &l.vars, Some(&tok), None).unwrap();
+    let (good, sha) = saved_v1(dir.path());
     let wrong_shape = dir.path().join("small");
     let hf_small = config::preset("small", tok.vocab_size()).unwrap();
     let s = checkpoint::init_seeded(&hf_small, &Device::Cpu, Some(9)).unwrap();
@@ -420,11 +427,7 @@ fn top_logprobs_and_prompt_scores_agree_with_the_sampled_logprobs(k: bool) {
 /// request waits, then starts on the installed version.
 fn a_version_prepared_on_another_thread_serves_like_one_loaded_in_place(k: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let tok = Tokenizer::char_level();
-    let v1 = dir.path().join("v1");
-    let hf = config::preset("tiny", tok.vocab_size()).unwrap();
-    let l = checkpoint::init_seeded(&hf, &Device::Cpu, Some(9)).unwrap();
-    let sha = checkpoint::save(&v1, &hf, &l.vars, Some(&tok), None).unwrap();
+    let (v1, sha) = saved_v1(dir.path());
     let greedy = SamplingParams {
         temperature: 0.0,
         max_tokens: 8,

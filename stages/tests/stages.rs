@@ -529,41 +529,56 @@ async fn tick_until_released(stage: &mut RolloutStage, out: &mut Emitter) {
 /// With every slot full, a new policy still lands between two decode steps of the
 /// group in flight (the runner keeps delivering broadcasts to a stage that is not
 /// `ready`): the group's completions switch from version 0 to 1 part-way.
-#[tokio::test]
-async fn rollout_swaps_weights_mid_group_with_every_slot_full() {
-    let dir = tempfile::tempdir().unwrap();
-    let (v0, v1) = (dir.path().join("v0"), dir.path().join("v1"));
+/// Completion length of a group that one 1 ms slice cannot finish (that would take a
+/// decode step every 5 µs), whatever the machine's speed.
+const LONG: usize = 200;
+
+/// A rollout stage serving version 0 of the tiny model (`slots` groups in flight at
+/// most, 1 ms slices, no EOS) with one group of 2 `LONG` completions in flight, and the
+/// policy row of version 1.
+async fn long_group_on_v0(
+    dir: &Path,
+    slots: usize,
+    outputs: &[(&str, SchemaId)],
+    out: &mut Emitter,
+) -> (RolloutStage, PolicyRow) {
+    let (v0, v1) = (dir.join("v0"), dir.join("v1"));
     tiny(&v0, 0);
-    let sha1 = tiny(&v1, 1);
+    let sha256 = tiny(&v1, 1);
     let cfg = RolloutConfig {
         checkpoint: v0,
-        max_inflight_groups: 1,
+        max_inflight_groups: slots,
         slice_ms: 1,
         ignore_eos: true,
         ..Default::default()
     };
-    let mut stage = RolloutStage::build(cfg, &ctx("rollout", dir.path(), &[("rollouts", SchemaId::Rollouts)])).unwrap();
-    let mut out = Emitter::default();
-    // Long enough that one 1 ms slice cannot finish it (that would take a decode step
-    // every 5 µs), whatever the machine's speed.
-    const LEN: usize = 200;
+    let mut stage = RolloutStage::build(cfg, &ctx("rollout", dir, outputs)).unwrap();
     let long = PromptRow {
-        max_tokens: LEN as u32,
+        max_tokens: LONG as u32,
         ..prompt("g1", 2)
     };
-    stage.process(input("prompts", &[long]), &mut out).await.unwrap();
-    assert!(!stage.ready());
-    // Decode steps on version 0 for one slice.
-    stage.tick(&mut out).await.unwrap();
-    assert!(out.released().is_empty(), "{LEN} tokens take more than one 1 ms slice");
+    stage.process(input("prompts", &[long]), out).await.unwrap();
     let policy = PolicyRow {
         run_id: "test".into(),
         version: 1,
         step: 1,
         uri: format!("file://{}", v1.display()),
-        sha256: sha1,
+        sha256,
         created_at: 0,
     };
+    (stage, policy)
+}
+
+#[tokio::test]
+async fn rollout_swaps_weights_mid_group_with_every_slot_full() {
+    const LEN: usize = LONG;
+    let dir = tempfile::tempdir().unwrap();
+    let mut out = Emitter::default();
+    let (mut stage, policy) = long_group_on_v0(dir.path(), 1, &[("rollouts", SchemaId::Rollouts)], &mut out).await;
+    assert!(!stage.ready());
+    // Decode steps on version 0 for one slice.
+    stage.tick(&mut out).await.unwrap();
+    assert!(out.released().is_empty(), "{LEN} tokens take more than one 1 ms slice");
     stage.process(input("policy", &[policy]), &mut out).await.unwrap();
     stage.settle_policy(&mut out).await;
     assert_eq!(stage.version(), 1);
@@ -585,35 +600,12 @@ async fn rollout_swaps_weights_mid_group_with_every_slot_full() {
 /// alone, and the swap itself (the decode pause) is reported apart from the whole load.
 #[tokio::test]
 async fn rollout_prepares_a_new_version_beside_decoding() {
+    const LEN: usize = LONG;
     let dir = tempfile::tempdir().unwrap();
-    let (v0, v1) = (dir.path().join("v0"), dir.path().join("v1"));
-    tiny(&v0, 0);
-    let sha1 = tiny(&v1, 1);
-    let cfg = RolloutConfig {
-        checkpoint: v0,
-        max_inflight_groups: 2,
-        slice_ms: 1,
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let outputs = [("rollouts", SchemaId::Rollouts), ("metrics", SchemaId::Metrics)];
-    let mut stage = RolloutStage::build(cfg, &ctx("rollout", dir.path(), &outputs)).unwrap();
     let mut out = Emitter::default();
-    const LEN: usize = 200;
-    let long = PromptRow {
-        max_tokens: LEN as u32,
-        ..prompt("g1", 2)
-    };
-    stage.process(input("prompts", &[long]), &mut out).await.unwrap();
+    let outputs = [("rollouts", SchemaId::Rollouts), ("metrics", SchemaId::Metrics)];
+    let (mut stage, policy) = long_group_on_v0(dir.path(), 2, &outputs, &mut out).await;
     stage.tick(&mut out).await.unwrap();
-    let policy = PolicyRow {
-        run_id: "test".into(),
-        version: 1,
-        step: 1,
-        uri: format!("file://{}", v1.display()),
-        sha256: sha1,
-        created_at: 0,
-    };
     stage.process(input("policy", &[policy]), &mut out).await.unwrap();
     assert_eq!((stage.version(), stage.preparing()), (0, Some(1)));
     stage
