@@ -481,14 +481,11 @@ fn rl_loop_as_processes_survives_random_sigkills() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let rng = StdRng::seed_from_u64(seed);
 
-    let broker = common::Broker::start();
     // A 1 s session timeout: a SIGKILLed replica's partitions move within ~1 s.
-    let url = format!(
-        "{}?session_timeout_ms={}",
-        broker.url,
-        env_or::<u64>("STREAMRL_CHAOS_SESSION_MS", 1000)
-    );
-    let control = run(&url, shape, |_| {});
+    let session_ms: u64 = env_or("STREAMRL_CHAOS_SESSION_MS", 1000);
+    let url = |b: &common::Broker| format!("{}?session_timeout_ms={session_ms}", b.url);
+    let broker = common::Broker::start();
+    let control = run(&url(&broker), shape, |_| {});
     drop(broker);
     let control_rows = invariants(&control, shape, Copies::Never);
     print_table(
@@ -498,7 +495,7 @@ fn rl_loop_as_processes_survives_random_sigkills() {
 
     let broker = common::Broker::start();
     let mut killer = Killer::new(rng, min_kills, Duration::from_secs_f64(control.wall));
-    let mut chaos = run(&url, shape, |m| killer.at(m, max_steps));
+    let mut chaos = run(&url(&broker), shape, |m| killer.at(m, max_steps));
     drop(broker);
     chaos.kills = killer.kills;
     let chaos_rows = invariants(&chaos, shape, Copies::Never);

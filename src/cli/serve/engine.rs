@@ -2,9 +2,8 @@
 //! between decode steps; each sequence's events go back to the request that added it.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 
-use streamrl_model::engine::{Engine, Event, Output, PromptScores, SamplingParams};
+use streamrl_model::engine::{Engine, Event, Output, Prepared, PromptScores, SamplingParams};
 use tokio::sync::mpsc;
 
 /// One generated token as the engine reported it.
@@ -49,12 +48,10 @@ pub enum Cmd {
         top: usize,
         reply: tokio::sync::oneshot::Sender<Result<PromptScores, String>>,
     },
-    /// Load new weights between two steps (an in-flight update: running sequences go on
-    /// with the new weights).
-    Load {
-        dir: PathBuf,
-        version: u32,
-        sha256: Option<String>,
+    /// Swap in weights prepared off this thread, between two steps (an in-flight update:
+    /// running sequences go on with the new weights; decoding pauses for the swap alone).
+    Install {
+        prepared: Box<Prepared>,
         reply: tokio::sync::oneshot::Sender<Result<u32, String>>,
     },
 }
@@ -103,7 +100,7 @@ pub fn engine_loop(mut engine: Engine, rx: std::sync::mpsc::Receiver<Cmd>) {
     }
 }
 
-/// Scores prompts and loads weights at once; returns the sequences to add.
+/// Scores prompts and installs weights at once; returns the sequences to add.
 fn run_commands(engine: &mut Engine, incoming: Vec<Cmd>) -> Vec<Add> {
     let mut adds = Vec::new();
     for cmd in incoming {
@@ -112,14 +109,9 @@ fn run_commands(engine: &mut Engine, incoming: Vec<Cmd>) -> Vec<Add> {
             Cmd::Score { prompt, top, reply } => {
                 let _ = reply.send(engine.prompt_logprobs(&prompt, top).map_err(|e| e.to_string()));
             }
-            Cmd::Load {
-                dir,
-                version,
-                sha256,
-                reply,
-            } => {
+            Cmd::Install { prepared, reply } => {
                 let r = engine
-                    .load_weights(&dir, version, sha256.as_deref())
+                    .install(*prepared)
                     .map(|()| engine.version())
                     .map_err(|e| e.to_string());
                 let _ = reply.send(r);

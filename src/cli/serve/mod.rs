@@ -36,7 +36,7 @@ use clap::Args;
 use serde_json::json;
 use streamrl_model::Tokenizer;
 use streamrl_model::chat::ChatTemplate;
-use streamrl_model::engine::{Engine, EngineConfig};
+use streamrl_model::engine::{Engine, EngineConfig, WeightLoader};
 
 use engine::{Cmd, engine_loop};
 use routes::{authorize, chat, completions, error, load_weights, models};
@@ -65,6 +65,8 @@ pub struct ServeArgs {
 
 struct AppState {
     engine: std::sync::mpsc::Sender<Cmd>,
+    /// Prepares `load_weights` versions for the engine, off its thread.
+    loader: WeightLoader,
     tokenizer: Tokenizer,
     template: ChatTemplate,
     model: String,
@@ -99,6 +101,7 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
     );
     let kernels = engine.kernels();
     let (tx, rx) = std::sync::mpsc::channel();
+    let loader = engine.loader();
     std::thread::Builder::new()
         .name("engine".into())
         .spawn(move || engine_loop(engine, rx))?;
@@ -113,6 +116,7 @@ pub async fn serve(a: ServeArgs) -> Result<()> {
     }
     let state = Arc::new(AppState {
         engine: tx,
+        loader,
         tokenizer,
         template,
         model,

@@ -211,16 +211,25 @@ pub async fn load_weights(State(s): State<Arc<AppState>>, body: Bytes) -> Respon
             );
         }
     };
+    // Read, checked and laid out here, while the engine thread goes on decoding; it
+    // pauses only to swap the result in.
+    let loader = s.loader.clone();
+    let prepared = tokio::task::spawn_blocking(move || loader.load(&dir, version, load.sha256.as_deref()))
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|r| r.map_err(|e| e.to_string()));
+    let prepared = match prepared {
+        Ok(p) => Box::new(p),
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("the weights were not loaded (the old ones keep serving): {e}"),
+                Some("path"),
+            );
+        }
+    };
     let (reply, rx) = tokio::sync::oneshot::channel();
-    if s.engine
-        .send(Cmd::Load {
-            dir,
-            version,
-            sha256: load.sha256,
-            reply,
-        })
-        .is_err()
-    {
+    if s.engine.send(Cmd::Install { prepared, reply }).is_err() {
         return error(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped", None);
     }
     match rx.await {
