@@ -282,7 +282,8 @@ impl std::fmt::Debug for RolloutStage {
 /// installed between two decode steps (a move): the decode pause is that alone.
 struct Loading {
     row: PolicyRow,
-    /// When the policy message arrived.
+    /// When its download began: the policy message's arrival, or, for a version queued
+    /// behind another, the end of that one's load.
     started: Instant,
     task: tokio::task::JoinHandle<Result<Prepared, String>>,
 }
@@ -820,7 +821,8 @@ impl RolloutStage {
                 self.instruments
                     .weight_sync(std::time::Duration::from_millis(sync_ms as u64));
                 let mut values = vec![
-                    // From the policy message to serving it (download, check, load).
+                    // From the start of its download to serving it (download, check,
+                    // load, swap).
                     ("weight_load_ms", t0.elapsed().as_secs_f64() * 1e3),
                     // From the trainer's publication (the row's created_at, its clock)
                     // to this replica serving it; the largest over replicas is the
