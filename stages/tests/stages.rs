@@ -158,12 +158,8 @@ async fn mask_waits_for_the_whole_group_dedups_and_filters_groups_without_signal
 async fn source_admits_groups_only_within_the_async_level_and_resumes_its_position() {
     let (dir, ckpt) = tiny_in_tempdir();
     let cfg = SourceConfig {
-        checkpoint: ckpt.clone(),
-        group_size: 4,
-        groups_per_step: 3,
-        max_async_level: 1,
         max_steps: Some(4),
-        ..Default::default()
+        ..source_config(&ckpt, 4, 3, 1)
     };
     let c = ctx("source", dir.path(), &[("prompts", SchemaId::Prompts)]);
     let mut stage = SourceStage::build(cfg.clone(), &c).unwrap();
@@ -174,11 +170,7 @@ async fn source_admits_groups_only_within_the_async_level_and_resumes_its_positi
         out.drain().is_empty(),
         "admitted before the trainer's version was known"
     );
-    stage
-        .process(input("policy", &[policy_row(0)]), &mut out)
-        .await
-        .unwrap();
-    let first: Vec<PromptRow> = batches(&mut out, "prompts");
+    let first = admit(&mut stage, 0, &mut out).await;
     // Version 0 and async level 1: steps 0 and 1, three groups each.
     assert_eq!(first.iter().map(|p| p.step).collect::<Vec<_>>(), vec![0, 0, 0, 1, 1, 1]);
     assert!(
@@ -188,21 +180,13 @@ async fn source_admits_groups_only_within_the_async_level_and_resumes_its_positi
     );
     stage.tick(&mut out).await.unwrap();
     assert!(out.drain().is_empty(), "admitted past the async level");
-    stage
-        .process(input("policy", &[policy_row(1)]), &mut out)
-        .await
-        .unwrap();
-    let second: Vec<PromptRow> = batches(&mut out, "prompts");
+    let second = admit(&mut stage, 1, &mut out).await;
     assert_eq!(second.iter().map(|p| p.step).collect::<Vec<_>>(), vec![2, 2, 2]);
     // A restarted source continues where the snapshot says...
     let snap = stage.snapshot().unwrap();
     let mut again = SourceStage::build(cfg.clone(), &c).unwrap();
     again.restore(&snap).unwrap();
-    again
-        .process(input("policy", &[policy_row(5)]), &mut out)
-        .await
-        .unwrap();
-    let third: Vec<PromptRow> = batches(&mut out, "prompts");
+    let third = admit(&mut again, 5, &mut out).await;
     assert_eq!(
         third.iter().map(|p| p.step).collect::<Vec<_>>(),
         vec![3, 3, 3],
@@ -219,11 +203,7 @@ async fn source_admits_groups_only_within_the_async_level_and_resumes_its_positi
     // trained (lost with an in-process bus).
     let mut behind = SourceStage::build(cfg, &c).unwrap();
     behind.restore(&snap).unwrap();
-    behind
-        .process(input("policy", &[policy_row(1)]), &mut out)
-        .await
-        .unwrap();
-    let again_rows: Vec<PromptRow> = batches(&mut out, "prompts");
+    let again_rows = admit(&mut behind, 1, &mut out).await;
     assert_eq!(
         again_rows.iter().map(|p| p.step).collect::<Vec<_>>(),
         vec![1, 1, 1, 2, 2, 2]
@@ -249,6 +229,24 @@ fn policy_row(v: u32) -> PolicyRow {
     }
 }
 
+/// A source reading `checkpoint`'s tokenizer: groups of `group_size`, `groups_per_step` a
+/// step, at most `max_async_level` steps ahead of the trainer.
+fn source_config(checkpoint: &Path, group_size: u32, groups_per_step: u32, max_async_level: u64) -> SourceConfig {
+    SourceConfig {
+        checkpoint: checkpoint.to_path_buf(),
+        group_size,
+        groups_per_step,
+        max_async_level,
+        ..Default::default()
+    }
+}
+
+/// Announces policy version `v` to a source and returns the prompts it admits.
+async fn admit(source: &mut SourceStage, v: u32, out: &mut Emitter) -> Vec<PromptRow> {
+    source.process(input("policy", &[policy_row(v)]), out).await.unwrap();
+    batches(out, "prompts")
+}
+
 fn scored_row(p: &PromptRow, i: u32, reward: f32) -> ScoredRow {
     let mut s = scored(&p.group_id, i, p.group_size, reward);
     s.problem_id = p.problem_id.clone();
@@ -269,16 +267,12 @@ async fn source_files_problems_into_difficulty_pools_by_group_reward_and_draws_f
     use streamrl_stages::source::DifficultyConfig;
     let (dir, ckpt) = tiny_in_tempdir();
     let cfg = SourceConfig {
-        checkpoint: ckpt.clone(),
-        group_size: 2,
-        groups_per_step: 4,
-        max_async_level: 0,
         difficulty: Some(DifficultyConfig {
             easy_fraction: 1.0,
             capacity: 4,
             ..Default::default()
         }),
-        ..Default::default()
+        ..source_config(&ckpt, 2, 4, 0)
     };
     let outputs = [("prompts", SchemaId::Prompts), ("metrics", SchemaId::Metrics)];
     // Pools without feedback are refused, naming what is missing.
@@ -307,11 +301,7 @@ async fn source_files_problems_into_difficulty_pools_by_group_reward_and_draws_f
     };
     let mut stage = SourceStage::build(cfg.clone(), &c).unwrap();
     let mut out = Emitter::default();
-    stage
-        .process(input("policy", &[policy_row(0)]), &mut out)
-        .await
-        .unwrap();
-    let step0: Vec<PromptRow> = batches(&mut out, "prompts");
+    let step0 = admit(&mut stage, 0, &mut out).await;
     assert_eq!(step0.len(), 4);
     // Group 0 is solved by every sample (easy), group 1 by none (hard), group 2 by one
     // of two (stays in rotation), group 3 is still missing a sample.
@@ -362,11 +352,7 @@ async fn source_files_problems_into_difficulty_pools_by_group_reward_and_draws_f
     let snap = stage.snapshot().unwrap();
     let mut restored = SourceStage::build(cfg, &c).unwrap();
     restored.restore(&snap).unwrap();
-    restored
-        .process(input("policy", &[policy_row(1)]), &mut out)
-        .await
-        .unwrap();
-    let readmitted: Vec<PromptRow> = batches(&mut out, "prompts");
+    let readmitted = admit(&mut restored, 1, &mut out).await;
     assert_eq!(
         readmitted
             .iter()
@@ -375,11 +361,7 @@ async fn source_files_problems_into_difficulty_pools_by_group_reward_and_draws_f
         step1.iter().map(|p| (&p.group_id, &p.problem_id)).collect::<Vec<_>>(),
         "a re-admitted group asks the problem it asked before"
     );
-    restored
-        .process(input("policy", &[policy_row(2)]), &mut out)
-        .await
-        .unwrap();
-    let step2: Vec<PromptRow> = batches(&mut out, "prompts");
+    let step2 = admit(&mut restored, 2, &mut out).await;
     assert_eq!(step2.iter().filter(|p| p.problem_id == step0[0].problem_id).count(), 1);
 }
 
@@ -387,47 +369,30 @@ async fn source_files_problems_into_difficulty_pools_by_group_reward_and_draws_f
 async fn source_reads_a_dataset_in_shuffled_epochs_and_stops_after_the_last() {
     let (dir, ckpt) = tiny_in_tempdir();
     let cfg = SourceConfig {
-        checkpoint: ckpt.clone(),
-        group_size: 2,
-        groups_per_step: 3,
-        max_async_level: 100,
         epochs: Some(1),
-        ..Default::default()
+        ..source_config(&ckpt, 2, 3, 100)
     };
     // The math fixture: 10 problems, every 5th held out, so 8 to train on.
     let c = ctx_with_envs("source", dir.path(), &[("prompts", SchemaId::Prompts)], "math: {}");
     let mut stage = SourceStage::build(cfg.clone(), &c).unwrap();
     let mut out = Emitter::default();
-    stage
-        .process(input("policy", &[policy_row(0)]), &mut out)
-        .await
-        .unwrap();
-    let rows: Vec<PromptRow> = batches(&mut out, "prompts");
+    let rows = admit(&mut stage, 0, &mut out).await;
     // The epoch ends with the 8th group (step 2); its step is completed, then nothing.
     assert_eq!(rows.len(), 9, "{:?}", rows.iter().map(|p| p.step).collect::<Vec<_>>());
     let first_epoch: std::collections::HashSet<_> = rows[..8].iter().map(|p| p.problem_id.clone()).collect();
     assert_eq!(first_epoch.len(), 8, "every train problem once per epoch");
-    stage
-        .process(input("policy", &[policy_row(50)]), &mut out)
-        .await
-        .unwrap();
-    assert!(batches::<PromptRow>(&mut out, "prompts").is_empty());
+    assert!(admit(&mut stage, 50, &mut out).await.is_empty());
     // Shuffled per epoch, but not in file order, and the same for the same seed.
     let unshuffled = SourceConfig {
         shuffle: false,
         ..cfg.clone()
     };
     let mut plain = SourceStage::build(unshuffled, &c).unwrap();
-    plain
-        .process(input("policy", &[policy_row(0)]), &mut out)
-        .await
-        .unwrap();
-    let plain_rows: Vec<PromptRow> = batches(&mut out, "prompts");
+    let plain_rows = admit(&mut plain, 0, &mut out).await;
     let ids = |r: &[PromptRow]| r.iter().map(|p| p.problem_id.clone()).collect::<Vec<_>>();
     assert_ne!(ids(&plain_rows[..8]), ids(&rows[..8]));
     let mut same = SourceStage::build(cfg, &c).unwrap();
-    same.process(input("policy", &[policy_row(0)]), &mut out).await.unwrap();
-    assert_eq!(ids(&batches::<PromptRow>(&mut out, "prompts")), ids(&rows));
+    assert_eq!(ids(&admit(&mut same, 0, &mut out).await), ids(&rows));
 }
 
 fn prompt(group: &str, size: u32) -> PromptRow {
