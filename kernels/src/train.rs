@@ -172,12 +172,26 @@ impl AttnShape {
         ]
     }
 
-    /// `p (seq, seq) = softmax(scale · q kᵀ + mask)` for head `h` of row `r`.
-    #[allow(clippy::too_many_arguments)]
-    fn probs(&self, q: &[f32], k: &[f32], v: &[f32], mask: &[f32], r: usize, h: usize, p: &mut [f32]) {
-        let t = self.seq;
-        let [qh, kh, _] = self.head(q, k, v, r, h);
-        cpu::gemm(ViewMut::rows(p, t, t), qh, kh.t(), false, self.scale);
+    /// `p (seq, seq) = softmax(scale · q kᵀ + mask)` for head `h` of row `r`. The scores
+    /// are [`cpu::scores_transposed`]'s chains (those of a decode step, [`cpu::attend`]),
+    /// not gemm's: gemm sums small products in other orders.
+    fn probs(&self, q: &[f32], k: &[f32], mask: &[f32], r: usize, h: usize, p: &mut [f32]) {
+        let (t, hd) = (self.seq, self.hd);
+        let (qo, ko) = self.offsets(r, h);
+        // This head's keys transposed, (hd, seq): each query's scores are then rows of
+        // fused multiply-adds across all keys at once.
+        let mut kt = vec![0f32; hd * t];
+        for j in 0..t {
+            let kj = &k[ko + j * self.kv_heads * hd..][..hd];
+            for (d, &x) in kj.iter().enumerate() {
+                kt[d * t + j] = x;
+            }
+        }
+        cpu::with_fma(|| {
+            for (i, row) in p.chunks_exact_mut(t).enumerate() {
+                cpu::scores_transposed(&q[qo + i * self.heads * hd..][..hd], &kt, self.scale, row);
+            }
+        });
         let m = if mask.len() == t * t {
             mask
         } else {
@@ -193,18 +207,27 @@ impl AttnShape {
 }
 
 /// Attention forward: `out (batch, seq, heads, hd) = softmax(scale · q kᵀ + mask) v` per head.
+///
+/// Each token's output equals, to the bit, what [`cpu::attend`] gives for it from a cache
+/// of its sample's positions: the scores are the same chains of fused multiply-adds along
+/// `hd`, and the weighted sum of values is [`cpu::weighted_sum`], which skips the zero
+/// probabilities of masked positions (a packed row's other samples).
 pub fn attention_forward(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], mask: &[f32], out: &mut [f32]) {
     s.check(q, k, v, mask);
-    let t = s.seq;
+    let (t, hd) = (s.seq, s.hd);
     let mut p = vec![0f32; t * t];
-    for r in 0..s.batch {
-        for h in 0..s.heads {
-            s.probs(q, k, v, mask, r, h, &mut p);
-            let [_, _, vh] = s.head(q, k, v, r, h);
-            let dst = s.view_mut(out, s.offsets(r, h).0, s.heads);
-            cpu::gemm(dst, View::rows(&p, t, t), vh, false, 1.0);
+    cpu::with_fma(|| {
+        for r in 0..s.batch {
+            for h in 0..s.heads {
+                s.probs(q, k, mask, r, h, &mut p);
+                let (qo, ko) = s.offsets(r, h);
+                for (i, pi) in p.chunks_exact(t).enumerate() {
+                    let at = qo + i * s.heads * hd;
+                    cpu::weighted_sum(pi, &v[ko..], s.kv_heads * hd, &mut out[at..at + hd]);
+                }
+            }
         }
-    }
+    })
 }
 
 /// Attention backward: given `dout`, writes `dq` and `dk`, `dv` (summed over the heads that
@@ -229,7 +252,7 @@ pub fn attention_backward(
     let mut dp = vec![0f32; t * t];
     for r in 0..s.batch {
         for h in 0..s.heads {
-            s.probs(q, k, v, mask, r, h, &mut p);
+            s.probs(q, k, mask, r, h, &mut p);
             let [qh, kh, vh] = s.head(q, k, v, r, h);
             let (qo, ko) = s.offsets(r, h);
             let doh = s.view(dout, qo, s.heads);
@@ -391,6 +414,19 @@ fn logprobs_backward_rows(
             d[tokens[b * seq + i + 1] as usize] += gi;
         }
     }
+}
+
+/// The two terms of a logits row's log-softmax at `temp`: `(max, lse)` with
+/// `log p(i) = row[i] / temp − max − lse`, summed exactly as [`logprobs_forward`] sums
+/// them, so that a logprob recorded while sampling equals the trainer's recomputation of
+/// it from the same logits to the bit.
+///
+/// ```
+/// let (max, lse) = streamrl_kernels::train::log_softmax_terms(&[0.0, 0.0], 1.0);
+/// assert!((0.0 - max - lse - 0.5f32.ln()).abs() < 1e-6);
+/// ```
+pub fn log_softmax_terms(row: &[f32], temp: f32) -> (f32, f32) {
+    cpu::vectorized(|| log_sum_exp(row, temp))
 }
 
 /// `(max, ln Σ exp(x/temp − max))` of a row.
@@ -727,5 +763,128 @@ mod tests {
     fn logprobs_refuse_a_token_outside_the_vocabulary() {
         let mut out = [0f32; 2];
         logprobs_forward(&[0.0; 10], &[0, 7], 1, 2, 5, 1.0, &mut out);
+    }
+
+    /// Equal to the bit, or a panic naming the first element that differs.
+    fn same_bits(got: &[f32], want: &[f32], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+            panic!("{what}: element {i} is {:e}, not {:e}", got[i], want[i]);
+        }
+    }
+
+    #[test]
+    fn a_row_of_a_product_is_the_same_whatever_rows_share_the_call() {
+        // Shapes of a 135M model's projections; the 1536-deep one spans several depth blocks.
+        for (inp, out) in [(576, 192), (1536, 576), (64, 3)] {
+            let x = data(40 * inp, 7);
+            let w = data(inp * out, 8);
+            let mut all = vec![0f32; 40 * out];
+            cpu::matmul(&x, 40, &w, inp, out, &mut all, false, 1);
+            for (from, n) in [(0, 1), (5, 1), (3, 2), (10, 7), (0, 33)] {
+                let mut part = vec![0f32; n * out];
+                cpu::matmul(&x[from * inp..], n, &w, inp, out, &mut part, false, 1);
+                same_bits(
+                    &part,
+                    &all[from * out..(from + n) * out],
+                    &format!("{n} rows from {from} ({inp}×{out})"),
+                );
+                // Accumulating adds the product in the same blocks into what is there.
+                let base = data(n * out, 9);
+                let (mut acc, mut fresh) = (base.clone(), base.clone());
+                cpu::matmul(&x[from * inp..], n, &w, inp, out, &mut acc, true, 1);
+                let many = if n == 1 { 2 } else { n };
+                let mut wide = [base.clone(), base[..out].to_vec()].concat();
+                cpu::matmul(&x[from * inp..], many, &w, inp, out, &mut wide[..many * out], true, 1);
+                fresh.copy_from_slice(&wide[..n * out]);
+                same_bits(&acc, &fresh, &format!("accumulating {n} rows from {from}"));
+            }
+            // The strided kernel too: a lone row of a transposed view equals its row of all.
+            let wt = cpu::transpose(&w, inp, out);
+            let b = View::rows(&wt, out, inp).t();
+            let many = cpu::gemm_new(View::rows(&x, 40, inp), b, 0.5);
+            let lone = cpu::gemm_new(View::rows(&x[9 * inp..], 1, inp), b, 0.5);
+            same_bits(&lone, &many[9 * out..10 * out], &format!("gemm_new, {inp}×{out}"));
+        }
+    }
+
+    #[test]
+    fn a_decode_step_attends_exactly_as_the_training_forward_over_a_packed_row() {
+        // One packed row of two samples (5 and 12 tokens), block-diagonal causal mask.
+        for hd in [8, 32, 64] {
+            for lens in [[5usize, 12], [1, 2], [20, 3]] {
+                attends_as_trained(hd, lens);
+            }
+        }
+    }
+
+    fn attends_as_trained(hd: usize, lens: [usize; 2]) {
+        let (heads, kv_heads) = (4, 2);
+        let t: usize = lens.iter().sum();
+        let s = AttnShape {
+            batch: 1,
+            seq: t,
+            heads,
+            kv_heads,
+            hd,
+            scale: 0.125,
+        };
+        let (q, k, v) = (
+            data(t * heads * hd, 11),
+            data(t * kv_heads * hd, 12),
+            data(t * kv_heads * hd, 13),
+        );
+        let mut mask = vec![-1e9f32; t * t];
+        let mut start = 0;
+        for len in lens {
+            for i in start..start + len {
+                mask[i * t + start..=i * t + i].fill(0.0);
+            }
+            start += len;
+        }
+        let mut out = vec![0f32; t * heads * hd];
+        attention_forward(s, &q, &k, &v, &mask, &mut out);
+        // The engine: each token over the cache of its own sample's positions so far.
+        let (kw, qw) = (kv_heads * hd, heads * hd);
+        let mut start = 0;
+        for len in lens {
+            for i in 0..len {
+                let at = start + i;
+                let keys = &k[start * kw..(at + 1) * kw];
+                let values = &v[start * kw..(at + 1) * kw];
+                let mut one = vec![0f32; qw];
+                cpu::attend(
+                    &q[at * qw..(at + 1) * qw],
+                    keys,
+                    values,
+                    i + 1,
+                    kv_heads,
+                    hd,
+                    0.125,
+                    &mut [0.0; 32],
+                    &mut one,
+                );
+                same_bits(
+                    &one,
+                    &out[at * qw..(at + 1) * qw],
+                    &format!("token {i} of the sample at {start} (hd {hd}, lengths {lens:?})"),
+                );
+            }
+            start += len;
+        }
+    }
+
+    #[test]
+    fn the_samplers_log_softmax_terms_are_the_trainers() {
+        let vocab = 37;
+        let logits = data(3 * vocab, 21);
+        let tokens = [0u32, 5, 36];
+        let mut out = [0f32; 3];
+        logprobs_forward(&logits, &tokens, 1, 3, vocab, 0.7, &mut out);
+        for i in 1..3 {
+            let row = &logits[(i - 1) * vocab..i * vocab];
+            let (max, lse) = log_softmax_terms(row, 0.7);
+            assert_eq!((row[tokens[i] as usize] / 0.7 - max - lse).to_bits(), out[i].to_bits());
+        }
     }
 }

@@ -82,7 +82,7 @@ fn continuous_batching_gives_every_request_what_it_gets_alone(k: bool) {
             assert_eq!(a.tokens.len(), 3 + 5 * i);
             assert_eq!(b.finish_reason, FinishReason::Length);
             for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
-                assert!((x - y).abs() <= 1e-5, "request {i}: {x} vs {y}");
+                assert!((x - y).abs() <= tolerance(k), "request {i}: {x} vs {y}");
             }
         }
     }
@@ -102,9 +102,16 @@ fn recompute(m: &Transformer, prompt: &[u32], completion: &[u32], t: f64) -> Vec
         .unwrap()
 }
 
-fn sampled_logprobs_equal_a_full_recompute(k: bool) {
+/// How far a logprob may move with the batch it was computed in: not at all on the CPU
+/// kernels, which sum every row in the same order whatever shares its step (and as the
+/// training forward sums it); to f32 rounding on candle's ops.
+fn tolerance(kernels: bool) -> f32 {
+    if kernels { 0.0 } else { 1e-5 }
+}
+
+fn sampled_logprobs_equal_a_full_recompute(kernels: bool) {
     let temperature = 0.7;
-    let mut e = engine(k, 2, 4);
+    let mut e = engine(kernels, 2, 4);
     for (i, p) in prompts().into_iter().enumerate() {
         e.add(p, params(i, temperature)).unwrap();
     }
@@ -115,7 +122,7 @@ fn sampled_logprobs_equal_a_full_recompute(k: bool) {
         for (k, got) in o.logprobs.iter().enumerate() {
             let want = lp[p.len() + k];
             assert!(
-                (got - want).abs() <= 1e-5,
+                (got - want).abs() <= tolerance(kernels),
                 "token {k}: sampled {got}, recomputed {want}"
             );
         }

@@ -27,12 +27,9 @@ pub fn top_n(logits: &[f32], n: usize, logprob: impl Fn(usize) -> f32) -> Vec<(u
 /// be drawn. Also returns the `p.logprobs` most likely tokens under that distribution.
 pub(crate) fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32, Vec<(u32, f32)>) {
     let t = if p.temperature > 0.0 { p.temperature } else { 1.0 };
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    // log_softmax(l / t) = (l - max) / t - log Σ exp((l - max) / t)
-    let e: Vec<f32> = logits.iter().map(|l| ((l - max) / t).exp()).collect();
-    let z: f32 = e.iter().sum();
-    let log_z = z.ln();
-    let logprob = |i: usize| (logits[i] - max) / t - log_z;
+    // The logprob as the trainer computes it (the same sums in the same order).
+    let (max_t, lse) = streamrl_kernels::train::log_softmax_terms(logits, t);
+    let logprob = |i: usize| logits[i] / t - max_t - lse;
     let top = top_n(logits, p.logprobs, logprob);
     if p.temperature == 0.0 {
         let (i, _) = logits.iter().enumerate().fold(
@@ -41,6 +38,9 @@ pub(crate) fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u
         );
         return (i as u32, logprob(i), top);
     }
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f32> = logits.iter().map(|l| ((l - max) / t).exp()).collect();
+    let z: f32 = e.iter().sum();
     let mut cand: Vec<(usize, f32)> = e.iter().enumerate().map(|(i, &v)| (i, v / z)).collect();
     if p.top_k > 0 || p.top_p < 1.0 {
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
