@@ -17,7 +17,9 @@
 
 /// Runs `f` compiled for the widest instruction set this CPU has (AVX-512, AVX2 + FMA, or
 /// the baseline), chosen at run time, so that plain loops inside it auto-vectorise to it.
-/// Helpers called inside must be `#[inline(always)]` to be compiled the same way.
+/// The closure and the helpers called inside must be `#[inline(always)]` (write
+/// `vectorized(#[inline(always)] || …)`) to be compiled the same way: a closure the
+/// compiler keeps as a function of its own runs with the baseline's instructions.
 #[inline(always)]
 pub fn vectorized<R>(f: impl FnOnce() -> R) -> R {
     pulp::Arch::new().dispatch(f)
@@ -26,7 +28,9 @@ pub fn vectorized<R>(f: impl FnOnce() -> R) -> R {
 /// Runs `f` compiled with fused multiply-add (and AVX2) where this CPU has them, so that
 /// `f32::mul_add` inside is one instruction rather than a call to the C library's `fmaf`
 /// (40× slower; [`vectorized`] does not give closures FMA). Both round once, so the results
-/// are the same either way. Helpers called inside must be `#[inline(always)]`.
+/// are the same either way. The closure and the helpers called inside must be
+/// `#[inline(always)]` (write `with_fma(#[inline(always)] || …)`): a closure left out of
+/// line is compiled without FMA, which made the training attention 4× slower.
 #[inline(always)]
 #[allow(unsafe_code)]
 pub fn with_fma<R>(f: impl FnOnce() -> R) -> R {
@@ -370,27 +374,30 @@ fn lone_row(x: &[f32], w: &[f32], inp: usize, out: usize, kc: usize, dst: &mut [
     // Columns in chunks whose sums stay in L1 while the weight streams past.
     const COLS: usize = 512;
     let mut acc = [0f32; COLS];
-    with_fma(|| {
-        for c0 in (0..out).step_by(COLS) {
-            let c1 = (c0 + COLS).min(out);
-            let (acc, dst) = (&mut acc[..c1 - c0], &mut dst[c0..c1]);
-            for (b, k0) in (0..inp).step_by(kc).enumerate() {
-                acc.fill(0.0);
-                for (kk, &a) in x.iter().enumerate().take((k0 + kc).min(inp)).skip(k0) {
-                    for (o, &wv) in acc.iter_mut().zip(&w[kk * out + c0..kk * out + c1]) {
-                        *o = a.mul_add(wv, *o);
+    with_fma(
+        #[inline(always)]
+        || {
+            for c0 in (0..out).step_by(COLS) {
+                let c1 = (c0 + COLS).min(out);
+                let (acc, dst) = (&mut acc[..c1 - c0], &mut dst[c0..c1]);
+                for (b, k0) in (0..inp).step_by(kc).enumerate() {
+                    acc.fill(0.0);
+                    for (kk, &a) in x.iter().enumerate().take((k0 + kc).min(inp)).skip(k0) {
+                        for (o, &wv) in acc.iter_mut().zip(&w[kk * out + c0..kk * out + c1]) {
+                            *o = a.mul_add(wv, *o);
+                        }
                     }
-                }
-                if b == 0 && !accumulate {
-                    dst.copy_from_slice(acc);
-                } else {
-                    for (d, &a) in dst.iter_mut().zip(acc.iter()) {
-                        *d += a;
+                    if b == 0 && !accumulate {
+                        dst.copy_from_slice(acc);
+                    } else {
+                        for (d, &a) in dst.iter_mut().zip(acc.iter()) {
+                            *d += a;
+                        }
                     }
                 }
             }
-        }
-    })
+        },
+    )
 }
 
 /// The depth block of gemm's kernels (for two rows and more) for an inner dimension of
@@ -484,14 +491,17 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// RMSNorm of every row of `x` (rows of `w.len()`): `out = x / sqrt(mean(x²) + eps) · w`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
-    vectorized(|| {
-        for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-            let r = (sum_sq(xr) / d as f32 + eps).sqrt();
-            for ((o, v), w) in or.iter_mut().zip(xr).zip(w) {
-                *o = v / r * w;
+    vectorized(
+        #[inline(always)]
+        || {
+            for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+                let r = (sum_sq(xr) / d as f32 + eps).sqrt();
+                for ((o, v), w) in or.iter_mut().zip(xr).zip(w) {
+                    *o = v / r * w;
+                }
             }
-        }
-    })
+        },
+    )
 }
 
 /// Σ x², in sixteen partial sums (so that it vectorises).
@@ -509,14 +519,17 @@ pub fn sum_sq(x: &[f32]) -> f32 {
 
 /// RMSNorm of every row of `x` (rows of `w.len()`) in place.
 pub fn rms_norm_rows_in_place(x: &mut [f32], w: &[f32], eps: f32) {
-    vectorized(|| {
-        for row in x.chunks_exact_mut(w.len()) {
-            let r = (sum_sq(row) / w.len() as f32 + eps).sqrt();
-            for (v, w) in row.iter_mut().zip(w) {
-                *v = *v / r * w;
+    vectorized(
+        #[inline(always)]
+        || {
+            for row in x.chunks_exact_mut(w.len()) {
+                let r = (sum_sq(row) / w.len() as f32 + eps).sqrt();
+                for (v, w) in row.iter_mut().zip(w) {
+                    *v = *v / r * w;
+                }
             }
-        }
-    })
+        },
+    )
 }
 
 /// RMSNorm of one row in place.
@@ -564,11 +577,14 @@ pub fn softmax_in_place(x: &mut [f32]) {
 
 /// `out[i] = silu(gate[i]) · up[i]`.
 pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    vectorized(|| {
-        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-            *o = g / (exp(-g) + 1.0) * u;
-        }
-    })
+    vectorized(
+        #[inline(always)]
+        || {
+            for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                *o = g / (exp(-g) + 1.0) * u;
+            }
+        },
+    )
 }
 
 /// Grouped-query attention of one token over a sequence's cached keys and values.
@@ -597,15 +613,18 @@ pub fn attend(
     let rep = heads / kv_heads;
     let stride = kv_heads * hd;
     let s = &mut scores[..len];
-    with_fma(|| {
-        for head in 0..heads {
-            let g = head / rep;
-            let qh = &q[head * hd..(head + 1) * hd];
-            fma_scores(qh, &keys[g * hd..], stride, scale, s);
-            softmax_in_place(s);
-            weighted_sum(s, &values[g * hd..], stride, &mut out[head * hd..(head + 1) * hd]);
-        }
-    })
+    with_fma(
+        #[inline(always)]
+        || {
+            for head in 0..heads {
+                let g = head / rep;
+                let qh = &q[head * hd..(head + 1) * hd];
+                fma_scores(qh, &keys[g * hd..], stride, scale, s);
+                softmax_in_place(s);
+                weighted_sum(s, &values[g * hd..], stride, &mut out[head * hd..(head + 1) * hd]);
+            }
+        },
+    )
 }
 
 /// `s[j] = scale · Σ_d q[d] · k[j·stride + d]`, each sum one chain of fused multiply-adds
@@ -633,19 +652,38 @@ fn fma_scores(q: &[f32], k: &[f32], stride: usize, scale: f32, s: &mut [f32]) {
     }
 }
 
-/// `s[j] = scale · Σ_d q[d] · kt[d·n + j]` for `n = s.len()` keys stored transposed, `kt`
-/// `(q.len(), n)`: per key the same chain of fused multiply-adds in `d` order from zero as
-/// [`attend`]'s scores, run across all keys at once (a row of vector lanes per `d`).
+/// Keys per block of [`scores_transposed`] and value columns per block of
+/// [`weighted_sum`]: four AVX registers of accumulators, kept in registers across the whole
+/// reduction (one load of the other operand per fused multiply-add, no store).
+const BLOCK: usize = 32;
+
+/// `s[j] = scale · Σ_d q[d] · kt[d·ld + j]` for `n = s.len()` keys stored transposed, `kt`
+/// `(q.len(), ld)` with `ld ≥ n`: per key the same chain of fused multiply-adds in `d` order
+/// from zero as [`attend`]'s scores, run across 32 keys at once (kept in registers).
 #[inline(always)]
-pub fn scores_transposed(q: &[f32], kt: &[f32], scale: f32, s: &mut [f32]) {
+pub fn scores_transposed(q: &[f32], kt: &[f32], ld: usize, scale: f32, s: &mut [f32]) {
     let n = s.len();
-    s.fill(0.0);
+    let full = n / BLOCK * BLOCK;
+    for (b, chunk) in s[..full].chunks_exact_mut(BLOCK).enumerate() {
+        let mut acc = [0f32; BLOCK];
+        for (d, &qd) in q.iter().enumerate() {
+            let k = &kt[d * ld + b * BLOCK..][..BLOCK];
+            for l in 0..BLOCK {
+                acc[l] = qd.mul_add(k[l], acc[l]);
+            }
+        }
+        for (o, a) in chunk.iter_mut().zip(acc) {
+            *o = a * scale;
+        }
+    }
+    let tail = &mut s[full..];
+    tail.fill(0.0);
     for (d, &qd) in q.iter().enumerate() {
-        for (o, &kv) in s.iter_mut().zip(&kt[d * n..(d + 1) * n]) {
+        for (o, &kv) in tail.iter_mut().zip(&kt[d * ld + full..d * ld + n]) {
             *o = qd.mul_add(kv, *o);
         }
     }
-    for o in s.iter_mut() {
+    for o in tail.iter_mut() {
         *o *= scale;
     }
 }
@@ -653,16 +691,31 @@ pub fn scores_transposed(q: &[f32], kt: &[f32], scale: f32, s: &mut [f32]) {
 /// `out = Σ_j p[j] · v[j·stride ..][..out.len()]`: one fused multiply-add per term, in
 /// position order, terms with `p[j] = 0` (masked positions) skipped, so that a row of
 /// probabilities padded with zeros (other samples of a packed row, future positions) sums
-/// exactly as its nonzero part alone.
+/// exactly as its nonzero part alone. 32 columns at a time (kept in registers).
 #[inline(always)]
 pub fn weighted_sum(p: &[f32], v: &[f32], stride: usize, out: &mut [f32]) {
     let hd = out.len();
-    out.fill(0.0);
+    let full = hd / BLOCK * BLOCK;
+    for (b, chunk) in out[..full].chunks_exact_mut(BLOCK).enumerate() {
+        let mut acc = [0f32; BLOCK];
+        for (j, &pj) in p.iter().enumerate() {
+            if pj == 0.0 {
+                continue;
+            }
+            let x = &v[j * stride + b * BLOCK..][..BLOCK];
+            for l in 0..BLOCK {
+                acc[l] = pj.mul_add(x[l], acc[l]);
+            }
+        }
+        chunk.copy_from_slice(&acc);
+    }
+    let tail = &mut out[full..];
+    tail.fill(0.0);
     for (j, &pj) in p.iter().enumerate() {
         if pj == 0.0 {
             continue;
         }
-        for (o, &x) in out.iter_mut().zip(&v[j * stride..j * stride + hd]) {
+        for (o, &x) in tail.iter_mut().zip(&v[j * stride + full..j * stride + hd]) {
             *o = pj.mul_add(x, *o);
         }
     }
@@ -683,6 +736,33 @@ mod tests {
         (0..n)
             .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) % 1000) as f32 / 500.0 - 1.0)
             .collect()
+    }
+
+    #[test]
+    fn every_closure_run_with_wider_instructions_is_inlined() {
+        // `with_fma` and `vectorized` give their instruction sets only to code inlined
+        // into them; an out-of-line closure silently runs `fmaf` calls or baseline SSE.
+        for (file, src) in [
+            ("cpu.rs", include_str!("cpu.rs")),
+            ("train.rs", include_str!("train.rs")),
+        ] {
+            for call in ["with_fma(", "vectorized("] {
+                for (at, _) in src.match_indices(call) {
+                    let line_start = src[..at].rfind('\n').map_or(0, |i| i + 1);
+                    let line = &src[line_start..];
+                    let line = &line[..line.find('\n').unwrap_or(line.len())];
+                    if line.trim_start().starts_with("//") || line.contains("pub fn ") || line.contains("\"") {
+                        continue;
+                    }
+                    let rest = &src[at + call.len()..];
+                    assert!(
+                        rest.trim_start().starts_with("#[inline(always)]"),
+                        "{file}: `{}` passes a closure that is not #[inline(always)]",
+                        line.trim()
+                    );
+                }
+            }
+        }
     }
 
     #[test]

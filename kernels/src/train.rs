@@ -14,12 +14,22 @@
 //! assert!((out[1] - 0.5f32.ln()).abs() < 1e-6);
 //! ```
 
+use std::ops::Range;
+
 use crate::cpu::{self, View, ViewMut};
+
+/// The additive mask value of a masked position (a packed row's other samples, the
+/// future): not −∞, so that an all-masked padding row stays finite. Attention treats every
+/// entry at or below it as masked: probability exactly 0, score not computed.
+pub const MASKED: f32 = -1e9;
 
 /// Backward of RMSNorm `y = x · r · w`, `r = 1/sqrt(mean(x²) + eps)`, over rows of
 /// `w.len()`: writes `dx` and adds into `dw`.
 pub fn rms_norm_backward(x: &[f32], w: &[f32], eps: f32, gy: &[f32], dx: &mut [f32], dw: &mut [f32]) {
-    cpu::vectorized(|| rms_norm_backward_rows(x, w, eps, gy, dx, dw))
+    cpu::vectorized(
+        #[inline(always)]
+        || rms_norm_backward_rows(x, w, eps, gy, dx, dw),
+    )
 }
 
 #[inline(always)]
@@ -81,13 +91,16 @@ pub fn rope(
 
 /// Backward of `y = silu(g) · u`: writes `dg` and `du`.
 pub fn silu_mul_backward(g: &[f32], u: &[f32], gy: &[f32], dg: &mut [f32], du: &mut [f32]) {
-    cpu::vectorized(|| {
-        for (((&gv, &uv), &dy), (dgv, duv)) in g.iter().zip(u).zip(gy).zip(dg.iter_mut().zip(du.iter_mut())) {
-            let s = 1.0 / (1.0 + cpu::exp(-gv));
-            *duv = dy * gv * s;
-            *dgv = dy * uv * s * (1.0 + gv * (1.0 - s));
-        }
-    })
+    cpu::vectorized(
+        #[inline(always)]
+        || {
+            for (((&gv, &uv), &dy), (dgv, duv)) in g.iter().zip(u).zip(gy).zip(dg.iter_mut().zip(du.iter_mut())) {
+                let s = 1.0 / (1.0 + cpu::exp(-gv));
+                *duv = dy * gv * s;
+                *dgv = dy * uv * s * (1.0 + gv * (1.0 - s));
+            }
+        },
+    )
 }
 
 /// The shape of an attention call: `batch` rows of `seq` tokens; `q` is
@@ -139,12 +152,12 @@ impl AttnShape {
         (r * t * self.heads * hd + h * hd, r * t * self.kv_heads * hd + g * hd)
     }
 
-    /// One head of a buffer from `at` as a `(seq, hd)` matrix whose rows are `heads` heads
-    /// apart.
-    fn view<'a>(&self, data: &'a [f32], at: usize, heads: usize) -> View<'a> {
+    /// Rows `rows` of one head of a buffer whose row 0 starts at `at`, as a `(rows, hd)`
+    /// matrix whose rows are `heads` heads apart.
+    fn view<'a>(&self, data: &'a [f32], at: usize, heads: usize, rows: Range<usize>) -> View<'a> {
         View {
-            data: &data[at..],
-            rows: self.seq,
+            data: &data[at + rows.start * heads * self.hd..],
+            rows: rows.len(),
             cols: self.hd,
             rs: heads * self.hd,
             cs: 1,
@@ -152,34 +165,51 @@ impl AttnShape {
     }
 
     /// The mutable counterpart of [`AttnShape::view`].
-    fn view_mut<'a>(&self, data: &'a mut [f32], at: usize, heads: usize) -> ViewMut<'a> {
+    fn view_mut<'a>(&self, data: &'a mut [f32], at: usize, heads: usize, rows: Range<usize>) -> ViewMut<'a> {
         ViewMut {
-            data: &mut data[at..],
-            rows: self.seq,
+            data: &mut data[at + rows.start * heads * self.hd..],
+            rows: rows.len(),
             cols: self.hd,
             rs: heads * self.hd,
             cs: 1,
         }
     }
 
-    /// Views of head `h` of batch row `r`: (q, k, v) as `(seq, hd)` strided matrices.
-    fn head<'a>(&self, q: &'a [f32], k: &'a [f32], v: &'a [f32], r: usize, h: usize) -> [View<'a>; 3] {
-        let (qo, ko) = self.offsets(r, h);
-        [
-            self.view(q, qo, self.heads),
-            self.view(k, ko, self.kv_heads),
-            self.view(v, ko, self.kv_heads),
-        ]
+    /// The mask of batch row `r`, `(seq, seq)`.
+    fn mask_of<'a>(&self, mask: &'a [f32], r: usize) -> &'a [f32] {
+        let t = self.seq;
+        if mask.len() == t * t {
+            mask
+        } else {
+            &mask[r * t * t..(r + 1) * t * t]
+        }
     }
 
-    /// `p (seq, seq) = softmax(scale · q kᵀ + mask)` for head `h` of row `r`. The scores
-    /// are [`cpu::scores_transposed`]'s chains (those of a decode step, [`cpu::attend`]),
-    /// not gemm's: gemm sums small products in other orders.
-    fn probs(&self, q: &[f32], k: &[f32], mask: &[f32], r: usize, h: usize, p: &mut [f32]) {
+    /// The keys each query of batch row `r` attends to: from its mask row's first entry
+    /// above [`MASKED`] to its last (the whole row when none is). Entries outside are
+    /// masked: their probability is exactly 0 either way, so they are not computed (a
+    /// packed row's other samples, future positions).
+    fn spans(&self, mask: &[f32], r: usize) -> Vec<Range<usize>> {
+        let t = self.seq;
+        self.mask_of(mask, r)
+            .chunks_exact(t)
+            .map(|row| match row.iter().position(|&a| a > MASKED) {
+                Some(lo) => lo..t - row.iter().rev().position(|&a| a > MASKED).unwrap_or(0),
+                None => 0..t,
+            })
+            .collect()
+    }
+
+    /// `p (seq, seq) = softmax(scale · q kᵀ + mask)` for head `h` of batch row `r`, 0 outside
+    /// each query's span ([`AttnShape::spans`]). The scores are [`cpu::scores_transposed`]'s
+    /// chains (those of a decode step, [`cpu::attend`]), not gemm's: gemm sums small
+    /// products in other orders; and the softmax runs over the span alone, as a decode
+    /// step's over its sample's cache.
+    fn probs(&self, q: &[f32], k: &[f32], mask: &[f32], spans: &[Range<usize>], (r, h): (usize, usize), p: &mut [f32]) {
         let (t, hd) = (self.seq, self.hd);
         let (qo, ko) = self.offsets(r, h);
         // This head's keys transposed, (hd, seq): each query's scores are then rows of
-        // fused multiply-adds across all keys at once.
+        // fused multiply-adds across its keys at once.
         let mut kt = vec![0f32; hd * t];
         for j in 0..t {
             let kj = &k[ko + j * self.kv_heads * hd..][..hd];
@@ -187,22 +217,23 @@ impl AttnShape {
                 kt[d * t + j] = x;
             }
         }
-        cpu::with_fma(|| {
-            for (i, row) in p.chunks_exact_mut(t).enumerate() {
-                cpu::scores_transposed(&q[qo + i * self.heads * hd..][..hd], &kt, self.scale, row);
-            }
-        });
-        let m = if mask.len() == t * t {
-            mask
-        } else {
-            &mask[r * t * t..(r + 1) * t * t]
-        };
-        for (row, mrow) in p.chunks_exact_mut(t).zip(m.chunks_exact(t)) {
-            for (s, &a) in row.iter_mut().zip(mrow) {
-                *s += a;
-            }
-            cpu::softmax_in_place(row);
-        }
+        let m = self.mask_of(mask, r);
+        cpu::with_fma(
+            #[inline(always)]
+            || {
+                for (i, ((row, mrow), span)) in p.chunks_exact_mut(t).zip(m.chunks_exact(t)).zip(spans).enumerate() {
+                    row[..span.start].fill(0.0);
+                    row[span.end..].fill(0.0);
+                    let s = &mut row[span.clone()];
+                    let qi = &q[qo + i * self.heads * hd..][..hd];
+                    cpu::scores_transposed(qi, &kt[span.start..], t, self.scale, s);
+                    for (x, &a) in s.iter_mut().zip(&mrow[span.clone()]) {
+                        *x += a;
+                    }
+                    cpu::softmax_in_place(s);
+                }
+            },
+        );
     }
 }
 
@@ -210,28 +241,62 @@ impl AttnShape {
 ///
 /// Each token's output equals, to the bit, what [`cpu::attend`] gives for it from a cache
 /// of its sample's positions: the scores are the same chains of fused multiply-adds along
-/// `hd`, and the weighted sum of values is [`cpu::weighted_sum`], which skips the zero
-/// probabilities of masked positions (a packed row's other samples).
+/// `hd`, and the weighted sum of values is [`cpu::weighted_sum`] over the same positions
+/// (mask entries at or below [`MASKED`] are a packed row's other samples, or the future).
 pub fn attention_forward(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], mask: &[f32], out: &mut [f32]) {
     s.check(q, k, v, mask);
     let (t, hd) = (s.seq, s.hd);
+    let stride = s.kv_heads * hd;
     let mut p = vec![0f32; t * t];
-    cpu::with_fma(|| {
-        for r in 0..s.batch {
-            for h in 0..s.heads {
-                s.probs(q, k, mask, r, h, &mut p);
-                let (qo, ko) = s.offsets(r, h);
-                for (i, pi) in p.chunks_exact(t).enumerate() {
-                    let at = qo + i * s.heads * hd;
-                    cpu::weighted_sum(pi, &v[ko..], s.kv_heads * hd, &mut out[at..at + hd]);
-                }
-            }
+    for r in 0..s.batch {
+        let spans = s.spans(mask, r);
+        for h in 0..s.heads {
+            s.probs(q, k, mask, &spans, (r, h), &mut p);
+            let (qo, ko) = s.offsets(r, h);
+            cpu::with_fma(
+                #[inline(always)]
+                || {
+                    for (i, (pi, span)) in p.chunks_exact(t).zip(&spans).enumerate() {
+                        let at = qo + i * s.heads * hd;
+                        let vs = &v[ko + span.start * stride..];
+                        cpu::weighted_sum(&pi[span.clone()], vs, stride, &mut out[at..at + hd]);
+                    }
+                },
+            );
         }
-    })
+    }
+}
+
+/// Query rows in blocks for the backward's products, with the keys the block's rows attend
+/// to: `(rows, keys)`. A block holds the rows of one packed sample (the same first key), at
+/// most 64 (so a causal block computes at most 64 rows past its triangle), or a run of rows
+/// that attend to themselves alone (padding).
+fn blocks(spans: &[Range<usize>]) -> Vec<(Range<usize>, Range<usize>)> {
+    const ROWS: usize = 64;
+    let lone = |s: &Range<usize>| s.len() == 1;
+    let mut out = Vec::new();
+    let mut i0 = 0;
+    while i0 < spans.len() {
+        let mut i1 = i0 + 1;
+        while i1 < spans.len()
+            && i1 - i0 < ROWS
+            && (spans[i1].start == spans[i0].start || (lone(&spans[i1]) && spans[i0..i1].iter().all(lone)))
+        {
+            i1 += 1;
+        }
+        let lo = spans[i0..i1].iter().map(|s| s.start).min().unwrap_or(0);
+        let hi = spans[i0..i1].iter().map(|s| s.end).max().unwrap_or(0);
+        out.push((i0..i1, lo..hi));
+        i0 = i1;
+    }
+    out
 }
 
 /// Attention backward: given `dout`, writes `dq` and `dk`, `dv` (summed over the heads that
-/// share a kv head). The probabilities are recomputed, not stored.
+/// share a kv head). The probabilities are recomputed, not stored; the products run per
+/// block of query rows over the keys they attend to (mask entries at or below [`MASKED`]
+/// are skipped, as in [`attention_forward`]), so a packed row costs what its samples cost
+/// apart.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     s: AttnShape,
@@ -246,32 +311,70 @@ pub fn attention_backward(
 ) {
     s.check(q, k, v, mask);
     let t = s.seq;
+    let (hq, hk) = (s.heads, s.kv_heads);
     dk.fill(0.0);
     dv.fill(0.0);
     let mut p = vec![0f32; t * t];
     let mut dp = vec![0f32; t * t];
     for r in 0..s.batch {
+        let spans = s.spans(mask, r);
+        let blocks = blocks(&spans);
         for h in 0..s.heads {
-            s.probs(q, k, mask, r, h, &mut p);
-            let [qh, kh, vh] = s.head(q, k, v, r, h);
+            s.probs(q, k, mask, &spans, (r, h), &mut p);
             let (qo, ko) = s.offsets(r, h);
-            let doh = s.view(dout, qo, s.heads);
-            // dv += pᵀ dout
-            let dst = s.view_mut(dv, ko, s.kv_heads);
-            cpu::gemm(dst, View::rows(&p, t, t).t(), doh, true, 1.0);
-            // dp = dout vᵀ; ds = p ∘ (dp − rowsum(p ∘ dp))
-            cpu::gemm(ViewMut::rows(&mut dp, t, t), doh, vh.t(), false, 1.0);
-            for (pr, dr) in p.chunks_exact(t).zip(dp.chunks_exact_mut(t)) {
-                let c: f32 = pr.iter().zip(dr.iter()).map(|(a, b)| a * b).sum();
-                for (d, &pv) in dr.iter_mut().zip(pr) {
-                    *d = pv * (*d - c);
+            for (rows, keys) in &blocks {
+                let (n, m) = (rows.len(), keys.len());
+                let at = rows.start * t + keys.start;
+                let pb = View {
+                    data: &p[at..],
+                    rows: n,
+                    cols: m,
+                    rs: t,
+                    cs: 1,
+                };
+                let doh = s.view(dout, qo, hq, rows.clone());
+                // dv += pᵀ dout
+                cpu::gemm(s.view_mut(dv, ko, hk, keys.clone()), pb.t(), doh, true, 1.0);
+                // dp = dout vᵀ; ds = p ∘ (dp − rowsum(p ∘ dp))
+                let dpb = ViewMut {
+                    data: &mut dp[at..],
+                    rows: n,
+                    cols: m,
+                    rs: t,
+                    cs: 1,
+                };
+                cpu::gemm(dpb, doh, s.view(v, ko, hk, keys.clone()).t(), false, 1.0);
+                for i in 0..n {
+                    let pr = &p[at + i * t..][..m];
+                    let dr = &mut dp[at + i * t..][..m];
+                    let c: f32 = pr.iter().zip(dr.iter()).map(|(a, b)| a * b).sum();
+                    for (d, &pv) in dr.iter_mut().zip(pr) {
+                        *d = pv * (*d - c);
+                    }
                 }
+                // dq = scale · ds k; dk += scale · dsᵀ q
+                let ds = View {
+                    data: &dp[at..],
+                    rows: n,
+                    cols: m,
+                    rs: t,
+                    cs: 1,
+                };
+                cpu::gemm(
+                    s.view_mut(dq, qo, hq, rows.clone()),
+                    ds,
+                    s.view(k, ko, hk, keys.clone()),
+                    false,
+                    s.scale,
+                );
+                cpu::gemm(
+                    s.view_mut(dk, ko, hk, keys.clone()),
+                    ds.t(),
+                    s.view(q, qo, hq, rows.clone()),
+                    true,
+                    s.scale,
+                );
             }
-            // dq = scale · ds k; dk += scale · dsᵀ q
-            let dst = s.view_mut(dq, qo, s.heads);
-            cpu::gemm(dst, View::rows(&dp, t, t), kh, false, s.scale);
-            let dst = s.view_mut(dk, ko, s.kv_heads);
-            cpu::gemm(dst, View::rows(&dp, t, t).t(), qh, true, s.scale);
         }
     }
 }
@@ -291,7 +394,10 @@ pub fn logprobs_forward(
     temp: f32,
     out: &mut [f32],
 ) {
-    cpu::vectorized(|| logprobs_forward_rows(logits, tokens, batch, seq, vocab, temp, out, None))
+    cpu::vectorized(
+        #[inline(always)]
+        || logprobs_forward_rows(logits, tokens, batch, seq, vocab, temp, out, None),
+    )
 }
 
 /// [`logprobs_forward`] that also writes the entropy (nats) of every next-token
@@ -314,7 +420,10 @@ pub fn logprobs_entropy_forward(
         "entropy: {} values for {batch}×{seq}",
         entropy.len()
     );
-    cpu::vectorized(|| logprobs_forward_rows(logits, tokens, batch, seq, vocab, temp, out, Some(entropy)))
+    cpu::vectorized(
+        #[inline(always)]
+        || logprobs_forward_rows(logits, tokens, batch, seq, vocab, temp, out, Some(entropy)),
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -373,7 +482,10 @@ pub fn logprobs_backward(
     g: &[f32],
     dlogits: &mut [f32],
 ) {
-    cpu::vectorized(|| logprobs_backward_rows(logits, tokens, batch, seq, vocab, temp, g, dlogits))
+    cpu::vectorized(
+        #[inline(always)]
+        || logprobs_backward_rows(logits, tokens, batch, seq, vocab, temp, g, dlogits),
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -426,7 +538,10 @@ fn logprobs_backward_rows(
 /// assert!((0.0 - max - lse - 0.5f32.ln()).abs() < 1e-6);
 /// ```
 pub fn log_softmax_terms(row: &[f32], temp: f32) -> (f32, f32) {
-    cpu::vectorized(|| log_sum_exp(row, temp))
+    cpu::vectorized(
+        #[inline(always)]
+        || log_sum_exp(row, temp),
+    )
 }
 
 /// `(max, ln Σ exp(x/temp − max))` of a row.
@@ -506,33 +621,39 @@ pub fn adamw(theta: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], h: A
         m.len(),
         v.len()
     );
-    cpu::vectorized(|| {
-        for (((t, &g), m), v) in theta.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
-            let g = g * h.clip;
-            let nm = *m * h.beta1 + g * (1.0 - h.beta1);
-            let nv = *v * h.beta2 + (g * g) * (1.0 - h.beta2);
-            *m = nm;
-            *v = nv;
-            let m_hat = nm * h.scale_m;
-            let v_hat = nv * h.scale_v;
-            let next = *t * h.decay;
-            *t = next - (m_hat / (v_hat.sqrt() + h.eps)) * h.lr;
-        }
-    })
+    cpu::vectorized(
+        #[inline(always)]
+        || {
+            for (((t, &g), m), v) in theta.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+                let g = g * h.clip;
+                let nm = *m * h.beta1 + g * (1.0 - h.beta1);
+                let nv = *v * h.beta2 + (g * g) * (1.0 - h.beta2);
+                *m = nm;
+                *v = nv;
+                let m_hat = nm * h.scale_m;
+                let v_hat = nv * h.scale_v;
+                let next = *t * h.decay;
+                *t = next - (m_hat / (v_hat.sqrt() + h.eps)) * h.lr;
+            }
+        },
+    )
 }
 
 /// Σ x² in f64 (a gradient norm's square), vectorised.
 pub fn sum_sq_f64(x: &[f32]) -> f64 {
-    cpu::vectorized(|| {
-        let mut acc = [0f64; 8];
-        let split = x.len() / 8 * 8;
-        for c in x[..split].chunks_exact(8) {
-            for l in 0..8 {
-                acc[l] += c[l] as f64 * c[l] as f64;
+    cpu::vectorized(
+        #[inline(always)]
+        || {
+            let mut acc = [0f64; 8];
+            let split = x.len() / 8 * 8;
+            for c in x[..split].chunks_exact(8) {
+                for l in 0..8 {
+                    acc[l] += c[l] as f64 * c[l] as f64;
+                }
             }
-        }
-        acc.iter().sum::<f64>() + x[split..].iter().map(|&v| v as f64 * v as f64).sum::<f64>()
-    })
+            acc.iter().sum::<f64>() + x[split..].iter().map(|&v| v as f64 * v as f64).sum::<f64>()
+        },
+    )
 }
 
 #[cfg(test)]
@@ -810,9 +931,10 @@ mod tests {
 
     #[test]
     fn a_decode_step_attends_exactly_as_the_training_forward_over_a_packed_row() {
-        // One packed row of two samples (5 and 12 tokens), block-diagonal causal mask.
-        for hd in [8, 32, 64] {
-            for lens in [[5usize, 12], [1, 2], [20, 3]] {
+        // One packed row of two samples, block-diagonal causal mask; 40 and 70 keys take
+        // the scores' and the weighted sum's blocks of 32 and their tails.
+        for hd in [8, 32, 40, 64] {
+            for lens in [[5usize, 12], [1, 2], [20, 3], [40, 70]] {
                 attends_as_trained(hd, lens);
             }
         }
@@ -861,7 +983,7 @@ mod tests {
                     kv_heads,
                     hd,
                     0.125,
-                    &mut [0.0; 32],
+                    &mut vec![0.0; t],
                     &mut one,
                 );
                 same_bits(
@@ -871,6 +993,78 @@ mod tests {
                 );
             }
             start += len;
+        }
+    }
+
+    /// A causal mask over one row packing samples of `lens`, padded to `width` (a padding
+    /// position attends to itself alone, as `Packed` builds it).
+    fn packed_mask(lens: &[usize], width: usize) -> Vec<f32> {
+        let mut mask = vec![MASKED; width * width];
+        let mut start = 0;
+        for &len in lens {
+            for i in start..start + len {
+                mask[i * width + start..=i * width + i].fill(0.0);
+            }
+            start += len;
+        }
+        for i in start..width {
+            mask[i * width + i] = 0.0;
+        }
+        mask
+    }
+
+    #[test]
+    fn a_packed_rows_gradients_are_its_samples_gradients_apart() {
+        // Samples of 70 (two blocks of query rows) and 30 tokens, then 6 of padding.
+        let (heads, kv_heads, hd, lens, width) = (4, 2, 8, [70usize, 30], 106);
+        let (qw, kw) = (heads * hd, kv_heads * hd);
+        let shape = |seq| AttnShape {
+            batch: 1,
+            seq,
+            heads,
+            kv_heads,
+            hd,
+            scale: 0.35,
+        };
+        let (q, k, v, dout) = (
+            data(width * qw, 31),
+            data(width * kw, 32),
+            data(width * kw, 33),
+            data(width * qw, 34),
+        );
+        let grads = |s: AttnShape, at: usize, mask: &[f32]| {
+            let t = s.seq;
+            let (q, k, v, dout) = (
+                &q[at * qw..][..t * qw],
+                &k[at * kw..][..t * kw],
+                &v[at * kw..][..t * kw],
+                &dout[at * qw..][..t * qw],
+            );
+            let (mut dq, mut dk, mut dv) = (vec![f32::NAN; t * qw], vec![f32::NAN; t * kw], vec![f32::NAN; t * kw]);
+            attention_backward(s, q, k, v, mask, dout, &mut dq, &mut dk, &mut dv);
+            [dq, dk, dv]
+        };
+        let packed = grads(shape(width), 0, &packed_mask(&lens, width));
+        let mut start = 0;
+        for len in lens {
+            let alone = grads(shape(len), start, &packed_mask(&[len], len));
+            for (name, (got, want), w) in [("dq", qw), ("dk", kw), ("dv", kw)]
+                .iter()
+                .zip(packed.iter().zip(&alone))
+                .map(|((n, w), g)| (n, g, *w))
+            {
+                for (i, (a, b)) in got[start * w..(start + len) * w].iter().zip(want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                        "{name}[{i}] of the sample at {start}: {a} packed, {b} alone"
+                    );
+                }
+            }
+            start += len;
+        }
+        // Every entry was written (the padding rows' included): none is left NaN.
+        for (name, g) in ["dq", "dk", "dv"].iter().zip(&packed) {
+            assert!(g.iter().all(|x| x.is_finite()), "{name} has a non-finite entry");
         }
     }
 

@@ -2,8 +2,9 @@
 
 use super::*;
 
-/// Large negative additive mask value (not -inf: an all-masked padding row stays finite).
-pub const MASKED: f32 = -1e9;
+/// Large negative additive mask value (not -inf: an all-masked padding row stays finite);
+/// the CPU attention kernels skip positions masked with it.
+pub const MASKED: f32 = streamrl_kernels::train::MASKED;
 
 /// A packed training batch: several samples concatenated per row, positions restarting
 /// per sample, attention confined to each sample.
