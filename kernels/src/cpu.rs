@@ -341,6 +341,55 @@ fn check_gemm(len: usize, rows: usize, cols: usize, rs: usize, cs: usize, a: Vie
 /// must stay inside their slices; `a.cols > 0`.
 #[allow(unsafe_code)]
 unsafe fn gemm_raw(dst: *mut f32, rs: usize, cs: usize, a: View<'_>, b: View<'_>, accumulate: bool, scale: f32) {
+    // Spread over idle cores (inside `cores::spread`) when the product is worth a hand-off
+    // to the pool: gemm splits the output among threads, each element summed as alone.
+    let threads = crate::cores::threads();
+    if threads > 1 && a.rows * b.cols * a.cols >= 1 << 20 {
+        /// The destination pointer, sent to the pool thread that runs the product while
+        /// the caller waits for it.
+        struct Dst(*mut f32);
+        // SAFETY: the caller blocks in `install` until the product is done, and its
+        // contract gives the product sole access to dst meanwhile.
+        #[allow(unsafe_code)]
+        unsafe impl Send for Dst {}
+        let dst = Dst(dst);
+        crate::cores::pool().install(move || {
+            let dst = dst;
+            // SAFETY: forwarded from the caller's contract; the caller waits.
+            unsafe {
+                gemm_call(
+                    dst.0,
+                    rs,
+                    cs,
+                    a,
+                    b,
+                    accumulate,
+                    scale,
+                    gemm::Parallelism::Rayon(threads),
+                )
+            }
+        });
+        return;
+    }
+    // SAFETY: forwarded from the caller's contract.
+    unsafe { gemm_call(dst, rs, cs, a, b, accumulate, scale, gemm::Parallelism::None) }
+}
+
+/// [`gemm_raw`] with its parallelism chosen.
+///
+/// # Safety
+/// As [`gemm_raw`].
+#[allow(unsafe_code, clippy::too_many_arguments)]
+unsafe fn gemm_call(
+    dst: *mut f32,
+    rs: usize,
+    cs: usize,
+    a: View<'_>,
+    b: View<'_>,
+    accumulate: bool,
+    scale: f32,
+    par: gemm::Parallelism,
+) {
     // SAFETY: forwarded from the caller's contract.
     unsafe {
         gemm::gemm(
@@ -362,7 +411,7 @@ unsafe fn gemm_raw(dst: *mut f32, rs: usize, cs: usize, a: View<'_>, b: View<'_>
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            par,
         )
     }
 }
@@ -762,6 +811,25 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn a_product_spread_over_idle_cores_is_the_same_bits() {
+        // A training step's products spread over the cores the rollout leaves idle; the
+        // sampler's logprobs must still equal the trainer's, so spreading changes no bit.
+        for (m, k, n) in [(64, 576, 1536), (300, 128, 200), (5, 1536, 576)] {
+            let (a, b) = (data(m * k, 1), data(k * n, 2));
+            let one = gemm_new(View::rows(&a, m, k), View::rows(&b, k, n), 1.0);
+            let spread = crate::cores::spread(2, || {
+                // Nothing in this test binary holds a core busy.
+                assert_eq!(crate::cores::threads(), 2);
+                gemm_new(View::rows(&a, m, k), View::rows(&b, k, n), 1.0)
+            });
+            assert!(
+                one.iter().zip(&spread).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{m}×{k}×{n}: spread over two threads differs"
+            );
         }
     }
 

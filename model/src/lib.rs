@@ -41,4 +41,6 @@ pub use error::{Error, Result};
 pub use model::{
     Aux, BatchKv, KvCache, MoeStats, Packed, Transformer, masked_entropy, token_logprobs, token_logprobs_entropy,
 };
+/// How a process's stages share its cores (a training step's products spread over idle ones).
+pub use streamrl_kernels::cores;
 pub use tokenizer::Tokenizer;

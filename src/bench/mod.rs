@@ -23,13 +23,17 @@ pub enum Which {
         /// Timed steps per shape (after one warm-up step).
         #[arg(long, default_value_t = 3)]
         steps: usize,
-        /// Skip the SmolLM2-135M shape (≈10 s per step).
+        /// Skip the SmolLM2-135M shape (≈10 s per step, and its checkpointing probe of a
+        /// 4096-token micro-batch, minutes).
         #[arg(long)]
         skip_large: bool,
         /// Internal: run one step of the memory probe in this process (`on` or `off` for
         /// activation checkpointing) and print its peak RSS.
         #[arg(long, hide = true)]
         memory_probe: Option<String>,
+        /// Internal: the memory probe at SmolLM2-135M's shape.
+        #[arg(long, hide = true)]
+        probe_smollm2: bool,
     },
     /// The GPU check's table (scripts/gpu-check.sh): the fused RL kernels' parity and
     /// bandwidth, and training and decode tokens/s of the tiny, small and SmolLM2-135M
@@ -135,8 +139,9 @@ pub async fn run(which: Which) -> Result<()> {
     match which {
         Which::Train {
             memory_probe: Some(mode),
+            probe_smollm2,
             ..
-        } => train::memory_probe(mode == "on"),
+        } => train::memory_probe(mode == "on", probe_smollm2),
         Which::Train { steps, skip_large, .. } => train::run(steps, skip_large),
         Which::Async { steps, alpha } => async_level::run(steps, alpha).await,
         Which::Sandbox {

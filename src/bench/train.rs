@@ -186,7 +186,7 @@ pub fn run(steps: usize, skip_large: bool) -> Result<()> {
         ),
     }
     println!("vs torch: streamrl step time / torch's (below 1.00× beats it).");
-    checkpointing_table()
+    checkpointing_table(skip_large)
 }
 
 const TORCH_SCRIPT: &str = r#"
@@ -268,14 +268,35 @@ fn status_kib(field: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// One training step of the probe shape with or without activation checkpointing, in a
-/// process of its own; prints `peak_bytes step_ms` (peak RSS above the RSS before it).
-pub fn memory_probe(checkpointing: bool) -> Result<()> {
-    let m = checkpoint::init(&probe_shape(), &Device::Cpu)?;
+/// One micro-batch of the memory probe: the small shape's 16 rows of one 256-token sample,
+/// or (`large`) SmolLM2-135M's shape with the trainer's default micro-batch, 16 rows of 256
+/// tokens each packing three samples (90, 85 and 81 tokens).
+fn probe_batch(large: bool) -> Result<(HfConfig, Packed)> {
+    if !large {
+        let rows: Vec<Vec<Vec<u32>>> = (0..16)
+            .map(|b| vec![(0..256).map(|i| ((b * 7 + i * 13) % 64) as u32).collect()])
+            .collect();
+        return Ok((probe_shape(), Packed::new(&rows, &Device::Cpu)?));
+    }
+    let hf = shapes(false).pop().expect("the SmolLM2 shape").hf;
+    let vocab = hf.vocab_size;
     let rows: Vec<Vec<Vec<u32>>> = (0..16)
-        .map(|b| vec![(0..256).map(|i| ((b * 7 + i * 13) % 64) as u32).collect()])
+        .map(|b| {
+            [90usize, 85, 81]
+                .iter()
+                .map(|&len| (0..len).map(|i| ((b * 7 + i * 13) % vocab) as u32).collect())
+                .collect()
+        })
         .collect();
-    let batch = Packed::new(&rows, &Device::Cpu)?;
+    Ok((hf, Packed::new(&rows, &Device::Cpu)?))
+}
+
+/// One training step of a probe batch ([`probe_batch`]) with or without activation
+/// checkpointing, in a process of its own; prints `peak_bytes step_ms` (peak RSS above
+/// the RSS before it).
+pub fn memory_probe(checkpointing: bool, large: bool) -> Result<()> {
+    let (hf, batch) = probe_batch(large)?;
+    let m = checkpoint::init(&hf, &Device::Cpu)?;
     let loss_of = |logits: &candle_core::Tensor| sft_loss(logits, &batch);
     let before = status_kib("VmRSS:");
     // Reset the high-water mark so VmHWM is this step's peak.
@@ -296,12 +317,14 @@ pub fn memory_probe(checkpointing: bool) -> Result<()> {
 
 /// Peak memory and step time of one training step with and without activation
 /// checkpointing, each in a fresh process.
-fn checkpointing_table() -> Result<()> {
+fn checkpointing_table(skip_large: bool) -> Result<()> {
     let exe = std::env::current_exe()?;
-    let probe = |mode: &str| -> Result<(f64, f64)> {
-        let out = std::process::Command::new(&exe)
-            .args(["bench", "train", "--memory-probe", mode])
-            .output()?;
+    let probe = |mode: &str, large: bool| -> Result<(f64, f64)> {
+        let mut args = vec!["bench", "train", "--memory-probe", mode];
+        if large {
+            args.push("--probe-smollm2");
+        }
+        let out = std::process::Command::new(&exe).args(args).output()?;
         let text = String::from_utf8_lossy(&out.stdout);
         let mut it = text.split_whitespace();
         match (
@@ -312,12 +335,23 @@ fn checkpointing_table() -> Result<()> {
             _ => anyhow::bail!("memory probe `{mode}` failed: {}", String::from_utf8_lossy(&out.stderr)),
         }
     };
-    let (off, on) = (probe("off")?, probe("on")?);
     println!();
-    println!("activation checkpointing (d256 L8 V64, 16×256 tokens, forward + backward, fresh process each)");
-    println!("{:<14} {:>15} {:>12}", "", "peak RSS MiB", "step ms");
-    println!("{:<14} {:>15.1} {:>12.1}", "off", off.0 / 1048576.0, off.1);
-    println!("{:<14} {:>15.1} {:>12.1}", "on", on.0 / 1048576.0, on.1);
-    println!("{:<14} {:>14.2}× {:>11.2}×", "on / off", on.0 / off.0, on.1 / off.1);
+    println!("activation checkpointing (one micro-batch's forward + backward, fresh process each)");
+    println!("{:<52} {:>15} {:>12}", "", "peak RSS MiB", "step ms");
+    let shapes = [
+        (false, "d256 L8 V64, 16×256 tokens"),
+        (true, "SmolLM2-135M shape, 16×256 tokens (3 samples a row)"),
+    ];
+    for (large, name) in shapes.into_iter().filter(|(large, _)| !(skip_large && *large)) {
+        let (off, on) = (probe("off", large)?, probe("on", large)?);
+        println!(
+            "{:<52} {:>15.1} {:>12.1}",
+            format!("{name}: off"),
+            off.0 / 1048576.0,
+            off.1
+        );
+        println!("{:<52} {:>15.1} {:>12.1}", "  on", on.0 / 1048576.0, on.1);
+        println!("{:<52} {:>14.2}× {:>11.2}×", "  on / off", on.0 / off.0, on.1 / off.1);
+    }
     Ok(())
 }

@@ -126,6 +126,9 @@ pub async fn stage(a: StageArgs) -> Result<()> {
         metrics_port,
         metrics_host,
     } = a;
+    // Other stage processes share this machine, and their busy cores are not visible from
+    // here: a trainer left to the process default keeps its step on one thread.
+    streamrl_model::cores::set_process_default(1);
     let t = load_on(&topology, bus)?;
     let decl = t.stages.get(&name).with_context(|| {
         format!(

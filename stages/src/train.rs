@@ -14,7 +14,7 @@ use streamrl_model::config::HfConfig;
 use streamrl_model::device::{DeviceSpec, Precision};
 use streamrl_model::loss::{self, LossInputs, LossKind};
 use streamrl_model::optim::{LrSchedule, Optimizer, OptimizerConfig};
-use streamrl_model::{Packed, Tokenizer, Transformer, checkpoint, token_logprobs_entropy};
+use streamrl_model::{Packed, Tokenizer, Transformer, checkpoint, cores, token_logprobs_entropy};
 
 /// The objective, as written in topology.yaml (`loss: {kind: masked_is, low: 0.5, ...}`):
 /// the model crate's [`LossKind`], which carries its own serde form and defaults.
@@ -48,6 +48,13 @@ pub struct TrainConfig {
     /// Weights and activations: `f32` (default) or `bf16` (logits, losses, gradient
     /// accumulation and the optimizer's master weights and moments stay f32).
     pub dtype: Precision,
+    /// CPU cores a step's matrix products may spread over while this process's other
+    /// stages leave them idle (the rollout engine between decode steps, decided again
+    /// before every product). 0 (default): the process decides, every core of the machine
+    /// for `streamrl run` and `sft` (one process), one under `streamrl stage` (`up`,
+    /// compose: the other stages' processes share the machine unseen); 1 keeps a step on
+    /// its own thread.
+    pub cores: usize,
 }
 
 impl Default for TrainConfig {
@@ -63,6 +70,7 @@ impl Default for TrainConfig {
             activation_checkpointing: false,
             device: DeviceSpec::Cpu,
             dtype: Precision::F32,
+            cores: 0,
         }
     }
 }
@@ -234,6 +242,15 @@ impl Learner {
     /// One optimizer step over `samples`: packed, forwarded in micro-batches with gradients
     /// accumulated, normalised by the batch's trainable tokens.
     pub fn step(&mut self, samples: &[TrainSample]) -> streamrl_model::Result<StepReport> {
+        let cores = match self.cfg.cores {
+            0 => cores::process_default(),
+            n => n,
+        };
+        cores::spread(cores, || self.step_on_cores(samples))
+    }
+
+    /// [`Learner::step`], its products spread over the cores it was given.
+    fn step_on_cores(&mut self, samples: &[TrainSample]) -> streamrl_model::Result<StepReport> {
         let t0 = Instant::now();
         let kind: LossKind = self.cfg.loss;
         check_shapes(samples, self.model.config().max_positions)?;

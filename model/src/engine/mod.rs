@@ -108,6 +108,8 @@ impl WeightLoader {
     /// Loads a checkpoint directory as policy `version`, checking its weights' SHA-256
     /// when given, and lays it out for the engine's kernels.
     pub fn load(&self, dir: &Path, version: u32, sha256: Option<&str>) -> Result<Prepared> {
+        // A core in use: a training step in this process spreads its products elsewhere.
+        let _busy = streamrl_kernels::cores::busy();
         if let Some(want) = sha256 {
             let got = checkpoint::weights_sha256(dir)?;
             if got != want {
@@ -392,6 +394,8 @@ impl Engine {
     /// One scheduler step: admit and prefill newcomers, one decode step for the running
     /// sequences, retire the finished (in the order the backend needs).
     pub fn step(&mut self) -> Result<Vec<Event>> {
+        // A core in use: a training step in this process spreads its products elsewhere.
+        let _busy = streamrl_kernels::cores::busy();
         let mut events = Vec::new();
         self.core.stats.steps += 1;
         self.backend.step(&mut self.core, &mut events)?;
