@@ -200,11 +200,17 @@ pub struct View<'a> {
 impl<'a> View<'a> {
     /// A row-major `(rows, cols)` matrix starting at `data[0]`.
     pub fn rows(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        View::block(data, rows, cols, cols)
+    }
+
+    /// A `(rows, cols)` block starting at `data[0]` of a row-major matrix whose rows are
+    /// `rs` elements apart.
+    pub fn block(data: &'a [f32], rows: usize, cols: usize, rs: usize) -> Self {
         View {
             data,
             rows,
             cols,
-            rs: cols,
+            rs,
             cs: 1,
         }
     }
@@ -239,11 +245,16 @@ pub struct ViewMut<'a> {
 impl<'a> ViewMut<'a> {
     /// A row-major `(rows, cols)` matrix starting at `data[0]`.
     pub fn rows(data: &'a mut [f32], rows: usize, cols: usize) -> Self {
+        ViewMut::block(data, rows, cols, cols)
+    }
+
+    /// The mutable counterpart of [`View::block`].
+    pub fn block(data: &'a mut [f32], rows: usize, cols: usize, rs: usize) -> Self {
         ViewMut {
             data,
             rows,
             cols,
-            rs: cols,
+            rs,
             cs: 1,
         }
     }

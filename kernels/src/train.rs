@@ -155,24 +155,14 @@ impl AttnShape {
     /// Rows `rows` of one head of a buffer whose row 0 starts at `at`, as a `(rows, hd)`
     /// matrix whose rows are `heads` heads apart.
     fn view<'a>(&self, data: &'a [f32], at: usize, heads: usize, rows: Range<usize>) -> View<'a> {
-        View {
-            data: &data[at + rows.start * heads * self.hd..],
-            rows: rows.len(),
-            cols: self.hd,
-            rs: heads * self.hd,
-            cs: 1,
-        }
+        let rs = heads * self.hd;
+        View::block(&data[at + rows.start * rs..], rows.len(), self.hd, rs)
     }
 
     /// The mutable counterpart of [`AttnShape::view`].
     fn view_mut<'a>(&self, data: &'a mut [f32], at: usize, heads: usize, rows: Range<usize>) -> ViewMut<'a> {
-        ViewMut {
-            data: &mut data[at + rows.start * heads * self.hd..],
-            rows: rows.len(),
-            cols: self.hd,
-            rs: heads * self.hd,
-            cs: 1,
-        }
+        let rs = heads * self.hd;
+        ViewMut::block(&mut data[at + rows.start * rs..], rows.len(), self.hd, rs)
     }
 
     /// The mask of batch row `r`, `(seq, seq)`.
@@ -325,24 +315,12 @@ pub fn attention_backward(
             for (rows, keys) in &blocks {
                 let (n, m) = (rows.len(), keys.len());
                 let at = rows.start * t + keys.start;
-                let pb = View {
-                    data: &p[at..],
-                    rows: n,
-                    cols: m,
-                    rs: t,
-                    cs: 1,
-                };
+                let pb = View::block(&p[at..], n, m, t);
                 let doh = s.view(dout, qo, hq, rows.clone());
                 // dv += pᵀ dout
                 cpu::gemm(s.view_mut(dv, ko, hk, keys.clone()), pb.t(), doh, true, 1.0);
                 // dp = dout vᵀ; ds = p ∘ (dp − rowsum(p ∘ dp))
-                let dpb = ViewMut {
-                    data: &mut dp[at..],
-                    rows: n,
-                    cols: m,
-                    rs: t,
-                    cs: 1,
-                };
+                let dpb = ViewMut::block(&mut dp[at..], n, m, t);
                 cpu::gemm(dpb, doh, s.view(v, ko, hk, keys.clone()).t(), false, 1.0);
                 for i in 0..n {
                     let pr = &p[at + i * t..][..m];
@@ -353,13 +331,7 @@ pub fn attention_backward(
                     }
                 }
                 // dq = scale · ds k; dk += scale · dsᵀ q
-                let ds = View {
-                    data: &dp[at..],
-                    rows: n,
-                    cols: m,
-                    rs: t,
-                    cs: 1,
-                };
+                let ds = View::block(&dp[at..], n, m, t);
                 cpu::gemm(
                     s.view_mut(dq, qo, hq, rows.clone()),
                     ds,
