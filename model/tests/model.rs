@@ -152,7 +152,7 @@ fn activation_checkpointing_gives_the_same_gradients() {
         let batch = Packed::new(&samples(), &Device::Cpu).unwrap();
         let (ckpt, logits, aux) = loaded
             .model
-            .backward_checkpointed(&batch, 1.0, |lg| Ok(rl_loss_of(lg, &batch, None)))
+            .backward_checkpointed(&batch, None, 1.0, |lg| Ok(rl_loss_of(lg, &batch, None)))
             .unwrap();
         let (plain_logits, plain_aux) = loaded.model.forward(&batch).unwrap();
         let diff = max_abs_diff;
@@ -174,6 +174,91 @@ fn activation_checkpointing_gives_the_same_gradients() {
             assert!(d <= 1e-4 * scale.max(1.0), "{name}: {k} differs by {d} (scale {scale})");
         }
     }
+}
+
+/// The positions of `samples()` packed that predict a next token of the same sample,
+/// out of order and with a repeat, and the tokens they predict.
+fn predicting_positions(batch: &Packed) -> (Vec<u32>, Vec<u32>) {
+    let toks = batch.tokens.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+    let mut at = Vec::new();
+    for &(row, start, len) in batch.spans.iter().rev() {
+        for i in 0..len - 1 {
+            at.push((row * batch.width + start + i) as u32);
+        }
+    }
+    at.swap(0, 3);
+    at.push(at[2]);
+    let next = at.iter().map(|&p| toks[p as usize + 1]).collect();
+    (at, next)
+}
+
+/// The mean logprob of `next[j]` under `logits` (1, n, V) row `j`, as the trainer
+/// lines them up for `token_logprobs`: a repeated last row, the targets one column on.
+fn mean_logprob_at(logits: &Tensor, next: &[u32]) -> Tensor {
+    let n = next.len();
+    let last = logits.narrow(1, n - 1, 1).unwrap();
+    let logits = Tensor::cat(&[logits, &last], 1).unwrap();
+    let targets: Vec<u32> = std::iter::once(0).chain(next.iter().copied()).collect();
+    let targets = Tensor::from_vec(targets, (1, n + 1), &Device::Cpu).unwrap();
+    token_logprobs(&logits, &targets, 1.0)
+        .unwrap()
+        .narrow(1, 1, n)
+        .unwrap()
+        .mean_all()
+        .unwrap()
+}
+
+#[test]
+fn logits_at_chosen_positions_are_the_full_forwards_and_train_alike() {
+    for (name, hf) in all_configs() {
+        let loaded = init(&hf);
+        let model = &loaded.model;
+        let batch = Packed::new(&samples(), &Device::Cpu).unwrap();
+        let (at, next) = predicting_positions(&batch);
+        let (full, _) = model.forward(&batch).unwrap();
+        let (b, t, v) = full.dims3().unwrap();
+        let idx = Tensor::new(at.as_slice(), &Device::Cpu).unwrap();
+        let gathered = full.reshape((b * t, v)).unwrap().index_select(&idx, 0).unwrap();
+        let (some, aux) = model.forward_at(&batch, &at).unwrap();
+        assert_eq!(some.dims(), &[1, at.len(), v], "{name}");
+        // The same bits: the head's product is row-invariant, the norm per position.
+        assert_eq!(
+            some.squeeze(0).unwrap().to_vec2::<f32>().unwrap(),
+            gathered.to_vec2::<f32>().unwrap(),
+            "{name}: logits at chosen positions differ from the full forward's"
+        );
+        // Gradients: the full forward's loss over the same positions, with and without
+        // activation checkpointing, give the same gradients for every weight.
+        let loss_full = (mean_logprob_at(&gathered.unsqueeze(0).unwrap(), &next) + &aux.balance_loss).unwrap();
+        let g_full = loss_full.backward().unwrap();
+        let (some, aux) = model.forward_at(&batch, &at).unwrap();
+        let g_at = (mean_logprob_at(&some, &next) + aux.balance_loss)
+            .unwrap()
+            .backward()
+            .unwrap();
+        let (g_ckpt, _, _) = model
+            .backward_checkpointed(&batch, Some(&at), 1.0, |lg| Ok(mean_logprob_at(lg, &next)))
+            .unwrap();
+        for (k, var) in loaded.vars.data().lock().unwrap().iter() {
+            let a = g_full.get(var.as_tensor()).unwrap();
+            let scale = a.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1.0);
+            for (how, g) in [("forward_at", &g_at), ("checkpointed", &g_ckpt)] {
+                let b = g
+                    .get(var.as_tensor())
+                    .unwrap_or_else(|| panic!("{name}: {k} got no gradient ({how})"));
+                let d = max_abs_diff(a, b);
+                assert!(d <= 1e-5 * scale, "{name}: {k} differs by {d} ({how}, scale {scale})");
+            }
+        }
+    }
+    // A position outside the batch is named.
+    let loaded = init(&all_configs()[0].1);
+    let batch = Packed::new(&samples(), &Device::Cpu).unwrap();
+    let err = loaded.model.forward_at(&batch, &[3, 20]).unwrap_err().to_string();
+    assert!(
+        err.contains("flat position 20") && err.contains("20 positions"),
+        "{err}"
+    );
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {

@@ -313,7 +313,7 @@ pub fn memory_probe(checkpointing: bool, large: bool) -> Result<()> {
     std::fs::write("/proc/self/clear_refs", "5")?;
     let t0 = Instant::now();
     let grads = if checkpointing {
-        m.model.backward_checkpointed(&batch, 0.0, loss_of)?.0
+        m.model.backward_checkpointed(&batch, None, 0.0, loss_of)?.0
     } else {
         let (logits, _) = m.model.forward(&batch)?;
         loss_of(&logits)?.backward()?

@@ -130,6 +130,25 @@ impl TrainSample {
     }
 }
 
+/// What makes a sample of `prompt` and `completion` tokens with `mask` loss-mask values
+/// untrainable on a model with a context of `ctx` tokens, if anything: an empty prompt
+/// (its first completion token would have no position to be predicted from), a mask that
+/// is not one value per completion token, or more tokens than the context.
+pub fn sample_problem(prompt: usize, completion: usize, mask: usize, ctx: usize) -> Option<String> {
+    if prompt == 0 {
+        Some("empty prompt (its first completion token would have no context to be predicted from)".into())
+    } else if mask != completion {
+        Some(format!("{mask} loss-mask values for {completion} completion tokens"))
+    } else if prompt + completion > ctx {
+        Some(format!(
+            "{} tokens ({prompt} prompt + {completion} completion) exceed the model's context of {ctx}",
+            prompt + completion
+        ))
+    } else {
+        None
+    }
+}
+
 /// What one optimizer step did.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepReport {
@@ -231,6 +250,11 @@ impl Learner {
         self.opt.steps()
     }
 
+    /// The model's context: the most tokens one sample may hold.
+    pub fn context(&self) -> usize {
+        self.model.config().max_positions
+    }
+
     /// Writes the checkpoint (HF layout) and the optimizer state to `dir`; returns the
     /// weights' SHA-256.
     pub fn save(&self, dir: &Path) -> streamrl_model::Result<String> {
@@ -272,25 +296,26 @@ impl Learner {
             let dev = self.model.device().clone();
             let MicroBatch {
                 packed,
-                idx,
+                at,
+                targets,
                 sampler,
                 adv,
                 mask,
                 spans,
-                ent_mask,
             } = MicroBatch::new(samples, mb, &dev)?;
             let mb_trainable: f32 = mask.iter().sum();
-            if idx.is_empty() {
+            if sampler.is_empty() {
                 continue;
             }
             let w = mb_trainable / denom;
             let temperature = self.cfg.temperature as f64;
-            let idx_t = Tensor::new(idx.as_slice(), &dev)?;
+            let n = sampler.len();
             // The loss of this micro-batch (weighted by its share of trainable tokens).
-            // Logprobs and entropies come from one pass over the logits.
+            // The logits come only from the positions that predict a completion token;
+            // logprobs and entropies from one pass over them.
             let loss_of = |logits: &Tensor| -> streamrl_model::Result<(Tensor, loss::LossMetrics, Tensor)> {
-                let (lp, ent) = token_logprobs_entropy(logits, &packed.tokens, temperature)?;
-                let lp = lp.flatten_all()?.index_select(&idx_t, 0)?;
+                let (lp, ent) = token_logprobs_entropy(logits, &targets, temperature)?;
+                let (lp, ent) = (lp.narrow(1, 1, n)?.flatten_all()?, ent.narrow(1, 1, n)?);
                 let (l, m) = loss::compute(
                     kind,
                     LossInputs {
@@ -306,7 +331,7 @@ impl Learner {
             let coef = self.cfg.balance_coef as f64;
             let (g, ent, m, moe) = if self.cfg.activation_checkpointing {
                 let mut metrics = None;
-                let (g, _logits, aux) = self.model.backward_checkpointed(&packed, coef, |lg| {
+                let (g, _logits, aux) = self.model.backward_checkpointed(&packed, Some(&at), coef, |lg| {
                     let (l, m, ent) = loss_of(lg)?;
                     metrics = Some((m, ent));
                     Ok(l)
@@ -314,7 +339,7 @@ impl Learner {
                 let (m, ent) = metrics.expect("the head loss ran");
                 (g, ent, m, aux.moe)
             } else {
-                let (logits, aux) = self.model.forward(&packed)?;
+                let (logits, aux) = self.model.forward_at(&packed, &at)?;
                 let (l, m, ent) = loss_of(&logits)?;
                 let g = (l + (aux.balance_loss * coef)?)?.backward()?;
                 (g, ent, m, aux.moe)
@@ -322,7 +347,7 @@ impl Learner {
             if let Some(worst) = moe.iter().map(|s| s.imbalance).reduce(f32::max) {
                 report.moe_imbalance = Some(report.moe_imbalance.map_or(worst, |w| w.max(worst)));
             }
-            report.add(&m, masked_mean(&ent, &ent_mask)?, w);
+            report.add(&m, masked_mean(&ent, &mask)?, w);
             grads = Some(self.accumulate(grads, g, &dev)?);
         }
         self.apply(grads, &mut report)?;
@@ -376,34 +401,33 @@ impl Learner {
     }
 }
 
-/// Every sample fits the context and has one mask value per completion token.
+/// Every sample is trainable ([`sample_problem`]).
 fn check_shapes(samples: &[TrainSample], ctx: usize) -> streamrl_model::Result<()> {
     for (i, s) in samples.iter().enumerate() {
-        if s.len() > ctx || s.loss_mask.len() != s.completion.len() {
-            return Err(streamrl_model::Error::Shape(format!(
-                "sample {i}: {} tokens (context {ctx}), {} completion tokens, {} mask values",
-                s.len(),
-                s.completion.len(),
-                s.loss_mask.len()
-            )));
+        if let Some(p) = sample_problem(s.prompt.len(), s.completion.len(), s.loss_mask.len(), ctx) {
+            return Err(streamrl_model::Error::Shape(format!("sample {i}: {p}")));
         }
     }
     Ok(())
 }
 
 /// One micro-batch: its rows of packed samples, and per completion token (in packing
-/// order) where it sits in the packed batch, its sampler logprob, advantage and mask.
+/// order) the position that predicts it, its sampler logprob, advantage and mask.
 struct MicroBatch {
     packed: Packed,
-    /// Flat index of each completion token in the packed batch.
-    idx: Vec<u32>,
+    /// The flat positions (row · width + column) in the packed batch whose logits the
+    /// loss needs, as [`Transformer::forward_at`] takes them: for completion token `j`,
+    /// the position before it at `at[j]`, then one more (a repeat of the last) so that
+    /// the logits (1, n + 1, V) and `targets` line up as `token_logprobs` shifts them.
+    at: Vec<u32>,
+    /// `(1, n + 1)`: 0, then completion token `j` at column `j + 1`, so that column
+    /// `j + 1` of the logprobs is token `j`'s under the logits at `at[j]`.
+    targets: Tensor,
     sampler: Vec<f32>,
     adv: Vec<f32>,
     mask: Vec<f32>,
     /// `(first token, tokens)` of each sample's completion within the vectors above.
     spans: Vec<(usize, usize)>,
-    /// The mask at each position of the packed batch (for the entropy's mean).
-    ent_mask: Vec<f32>,
 }
 
 impl MicroBatch {
@@ -426,29 +450,34 @@ impl MicroBatch {
             .collect();
         let packed = Packed::new(&seqs, dev)?;
         let order: Vec<usize> = mb.iter().flatten().copied().collect();
-        let mut b = MicroBatch {
-            idx: vec![],
-            sampler: vec![],
-            adv: vec![],
-            mask: vec![],
-            spans: vec![],
-            ent_mask: vec![0f32; packed.tokens.elem_count()],
-            packed,
-        };
-        for (&i, &(row, start, _len)) in order.iter().zip(&b.packed.spans) {
+        let mut at = Vec::new();
+        let mut targets = vec![0u32];
+        let (mut sampler, mut adv, mut mask, mut spans) = (vec![], vec![], vec![], vec![]);
+        for (&i, &(row, start, _len)) in order.iter().zip(&packed.spans) {
             let s = &samples[i];
-            let base = row * b.packed.width + start + s.prompt.len();
-            b.spans.push((b.idx.len(), s.completion.len()));
-            for k in 0..s.completion.len() {
-                b.idx.push((base + k) as u32);
-                b.sampler.push(s.sampler_logprobs.get(k).copied().unwrap_or(0.0));
-                b.adv.push(s.advantage);
-                let m = if s.loss_mask[k] { 1.0 } else { 0.0 };
-                b.mask.push(m);
-                b.ent_mask[base + k] = m;
+            // The completion's first token sits after the prompt (never empty:
+            // `check_shapes`); the position before each token predicts it.
+            let first = row * packed.width + start + s.prompt.len();
+            spans.push((sampler.len(), s.completion.len()));
+            for (k, &tok) in s.completion.iter().enumerate() {
+                at.push((first + k - 1) as u32);
+                targets.push(tok);
+                sampler.push(s.sampler_logprobs.get(k).copied().unwrap_or(0.0));
+                adv.push(s.advantage);
+                mask.push(if s.loss_mask[k] { 1.0 } else { 0.0 });
             }
         }
-        Ok(b)
+        at.push(at.last().copied().unwrap_or(0));
+        let n = targets.len();
+        Ok(MicroBatch {
+            targets: Tensor::from_vec(targets, (1, n), dev)?,
+            at,
+            sampler,
+            adv,
+            mask,
+            spans,
+            packed,
+        })
     }
 }
 

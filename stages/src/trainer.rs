@@ -854,6 +854,19 @@ impl Stage for TrainerStage {
 
     async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
         let samples = rows::<SampleRow>(&input.batch)?;
+        // A sample that could never be trained fails its message (to the dead-letter
+        // topic, with the reason) before any of it is buffered.
+        let ctx = self.learner.context();
+        for s in &samples {
+            let (p, c, m) = (
+                s.prompt_token_ids.len(),
+                s.completion_token_ids.len(),
+                s.loss_mask.len(),
+            );
+            if let Some(problem) = crate::train::sample_problem(p, c, m, ctx) {
+                return Err(StageError::user(format!("sample {}: {problem}", s.sample_id)));
+            }
+        }
         if self.done() {
             // Past max_steps: leave the input unacknowledged for a later run to train on.
             out.hold();

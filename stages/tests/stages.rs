@@ -747,6 +747,40 @@ async fn trainer_steps_per_batch_publishes_versions_and_resumes_without_repeatin
     assert_eq!(again.version(), 3);
 }
 
+/// A samples message the trainer could never train (no prompt, a loss mask of the wrong
+/// length, more tokens than the context) fails with the sample and the reason, before
+/// any of its group is buffered; the trainer goes on with the next message.
+#[tokio::test]
+async fn trainer_refuses_untrainable_samples_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("init");
+    tiny(&ckpt, 0);
+    let mut t = trainer(dir.path(), ckpt);
+    let mut out = Emitter::default();
+    t.start(&mut out).await.unwrap();
+    out.drain();
+    type Spoil = fn(&mut SampleRow);
+    let bad: [(&str, Spoil); 3] = [
+        ("empty prompt", |s| s.prompt_token_ids.clear()),
+        ("2 loss-mask values for 3 completion tokens", |s| {
+            s.loss_mask.pop();
+        }),
+        ("exceed the model's context", |s| s.prompt_token_ids = vec![5; 4096]),
+    ];
+    for (i, (want, spoil)) in bad.into_iter().enumerate() {
+        let g = format!("bad{i}");
+        let mut rows: Vec<SampleRow> = (0..2).map(|k| sample(&g, k, 1.0, 0.5, 0)).collect();
+        spoil(&mut rows[1]);
+        let err = t.process(input("samples", &rows), &mut out).await.unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains(&format!("sample {g}-1-t0")) && msg.contains(want), "{msg}");
+        assert_eq!(out.holding(), None, "nothing of a refused group is held");
+    }
+    let ok: Vec<SampleRow> = (0..2).map(|k| sample("ok", k, 1.0, 0.5, 0)).collect();
+    t.process(input("samples", &ok), &mut out).await.unwrap();
+    assert_eq!(out.holding(), Some(Some("ok")));
+}
+
 /// A trainer killed after the bus acknowledged version N but before it recorded that
 /// (`checkpoints/published`) must not publish N again when it comes back on a durable bus:
 /// it asks the `policy` topic. Killed before the bus had N, it publishes N (once), and
@@ -1174,6 +1208,26 @@ fn the_learner_steps_the_same_with_activation_checkpointing() {
         }
         learner_steps_the_same_with_activation_checkpointing(dir.path(), moe);
     }
+}
+
+/// A sample without a prompt has no position to predict its first completion token from
+/// (in a packed row, the one before it belongs to another sample): refused, named.
+#[test]
+fn the_learner_refuses_a_sample_without_a_prompt() {
+    use streamrl_stages::train::{Learner, TrainConfig, TrainSample};
+    let dir = tempfile::tempdir().unwrap();
+    tiny(dir.path(), 5);
+    let sample = |prompt: Vec<u32>| TrainSample {
+        prompt,
+        completion: vec![20, 21, 2],
+        sampler_logprobs: vec![-3.0, -2.5, -1.0],
+        loss_mask: vec![true; 3],
+        advantage: 0.5,
+    };
+    let mut l = Learner::load(dir.path(), TrainConfig::default()).unwrap();
+    let err = l.step(&[sample(vec![10, 11]), sample(vec![])]).unwrap_err().to_string();
+    assert!(err.contains("sample 1: empty prompt"), "{err}");
+    assert!(l.step(&[sample(vec![10, 11]), sample(vec![12])]).is_ok());
 }
 
 fn learner_steps_the_same_with_activation_checkpointing(dir: &Path, moe: bool) {

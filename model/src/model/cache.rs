@@ -12,7 +12,7 @@ impl Transformer {
         mask: &Tensor,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        Ok(self.run(tokens, positions, mask, CacheArg::Shared(cache))?.0)
+        Ok(self.run(tokens, positions, mask, CacheArg::Shared(cache), None)?.0)
     }
 
     /// Inference forward of a ragged batch: row `r` of `tokens` (B, t) holds
@@ -37,7 +37,9 @@ impl Transformer {
                 new_lens.len()
             )));
         }
-        Ok(self.run(tokens, positions, mask, CacheArg::Ragged(caches, new_lens))?.0)
+        Ok(self
+            .run(tokens, positions, mask, CacheArg::Ragged(caches, new_lens), None)?
+            .0)
     }
 
     /// Decode one token per row of the running batch whose keys and values are the rows of
@@ -64,7 +66,7 @@ impl Transformer {
             .broadcast_as((b, self.cfg.n_kv_heads, 1, self.cfg.head_dim))?
             .contiguous()?;
         Ok(self
-            .run(tokens, positions, mask, CacheArg::Batched(kv, &index, width))?
+            .run(tokens, positions, mask, CacheArg::Batched(kv, &index, width), None)?
             .0)
     }
 

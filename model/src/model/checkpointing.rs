@@ -31,16 +31,20 @@ impl Transformer {
     /// backpropagates through it, so peak memory holds one layer's activations instead of
     /// all of them (at the cost of a second forward).
     ///
-    /// `head_loss` turns the logits (B, T, V) into the scalar loss; each MoE layer's
-    /// load-balance loss is added with weight `balance_coef`. Returns the gradients of
-    /// every weight (equal to `forward` + `backward` of the same loss), the logits
-    /// (detached) and the auxiliaries.
+    /// `head_loss` turns the logits into the scalar loss: (B, T, V) from every position,
+    /// or with `at` (flat positions, as [`Transformer::forward_at`]) (1, `at.len()`, V)
+    /// from those only. Each MoE layer's load-balance loss is added with weight
+    /// `balance_coef`. Returns the gradients of every weight (equal to `forward` or
+    /// `forward_at` + `backward` of the same loss), the logits (detached) and the
+    /// auxiliaries.
     pub fn backward_checkpointed(
         &self,
         batch: &Packed,
+        at: Option<&[u32]>,
         balance_coef: f64,
         head_loss: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<(candle_core::backprop::GradStore, Tensor, Aux)> {
+        let at = at.map(|at| self.positions_at(batch, at)).transpose()?;
         let (b, t) = batch.tokens.dims2()?;
         let max_pos = batch.positions.max_all()?.to_scalar::<u32>()? as usize;
         if max_pos >= self.cfg.max_positions {
@@ -58,7 +62,7 @@ impl Transformer {
         let missing = |what: &str| Error::Shape(format!("activation checkpointing: no gradient reached {what}"));
         // The head: final norm, logits, loss.
         let top = candle_core::Var::from_tensor(inputs.last().expect("pushed"))?;
-        let h = self.norm.apply(top.as_tensor(), fx.is_some())?;
+        let h = self.head_input(top.as_tensor(), at.as_ref(), fx.is_some())?;
         let logits = self.logits(&h, fx.is_some())?;
         // Only the weights' gradients are kept across the passes (a backward also leaves
         // gradients for constants such as masks and rotary tables).

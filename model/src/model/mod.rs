@@ -219,12 +219,41 @@ impl Transformer {
         }))
     }
 
+    /// The head's input: the final hidden states `x` (B, T, D) normalised, at every
+    /// position, or only at the flat positions `at` (row · T + column), then as (1, n, D)
+    /// in `at`'s order. The norm is per position, so either way a position's logits are
+    /// the same bits.
+    fn head_input(&self, x: &Tensor, at: Option<&Tensor>, fused: bool) -> Result<Tensor> {
+        let x = match at {
+            None => x.clone(),
+            Some(at) => {
+                let (b, t, d) = x.dims3()?;
+                x.reshape((b * t, d))?.index_select(at, 0)?.unsqueeze(0)?
+            }
+        };
+        Ok(self.norm.apply(&x, fused)?)
+    }
+
+    /// `at` as a tensor of flat positions of `batch`, refused when one lies outside it.
+    fn positions_at(&self, batch: &Packed, at: &[u32]) -> Result<Tensor> {
+        let n = batch.tokens.elem_count();
+        if let Some(&bad) = at.iter().find(|&&p| p as usize >= n) {
+            return Err(Error::Shape(format!(
+                "logits asked at flat position {bad} of a packed batch of {n} positions ({} rows of {})",
+                n / batch.width.max(1),
+                batch.width
+            )));
+        }
+        Ok(Tensor::new(at, &self.device)?)
+    }
+
     fn run(
         &self,
         tokens: &Tensor,
         positions: &Tensor,
         mask: &Tensor,
         mut cache: CacheArg<'_, '_>,
+        at: Option<&Tensor>,
     ) -> Result<(Tensor, Aux)> {
         let (b, t) = tokens.dims2()?;
         let max_pos = positions.max_all()?.to_scalar::<u32>()? as usize;
@@ -247,7 +276,7 @@ impl Transformer {
             let c = cache.layer(i);
             x = blk.forward(&x, positions, mask, &self.rope, c, &mut aux, fx.as_ref())?;
         }
-        let x = self.norm.apply(&x, fx.is_some())?;
+        let x = self.head_input(&x, at, fx.is_some())?;
         let logits = self.logits(&x, fx.is_some())?;
         let balance_loss = aux
             .iter()
@@ -263,6 +292,16 @@ impl Transformer {
 
     /// Training forward over a packed batch: logits (B, T, V) plus MoE auxiliaries.
     pub fn forward(&self, batch: &Packed) -> Result<(Tensor, Aux)> {
-        self.run(&batch.tokens, &batch.positions, &batch.mask, CacheArg::None)
+        self.run(&batch.tokens, &batch.positions, &batch.mask, CacheArg::None, None)
+    }
+
+    /// [`Transformer::forward`] with the head applied only at the flat positions `at`
+    /// (row · width + column) of `batch`: logits (1, `at.len()`, V), in `at`'s order, equal
+    /// to [`Transformer::forward`]'s at those positions. A trainer asks for the positions
+    /// whose next token it scores (the completions'), and skips the head's product, and
+    /// the logits' memory, over the prompts and the padding.
+    pub fn forward_at(&self, batch: &Packed, at: &[u32]) -> Result<(Tensor, Aux)> {
+        let at = self.positions_at(batch, at)?;
+        self.run(&batch.tokens, &batch.positions, &batch.mask, CacheArg::None, Some(&at))
     }
 }
