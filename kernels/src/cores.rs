@@ -3,7 +3,8 @@
 //! level's bound one often waits for the other (at SmolLM2-135M's size the rollout stage's
 //! thread was busy 7% of a trainer step: one of two cores idle). Work that runs on one
 //! thread and may compete for a core says so while it computes ([`busy`]: the engine's
-//! decode steps, a weight load); a training step lets its matrix products spread over the
+//! decode steps, a weight load); a training step, and the trainer's held-out eval, let
+//! their matrix products (`cpu::gemm`'s and one-thread `cpu::matmul`'s) spread over the
 //! cores nobody else is using ([`spread`]), decided again before every product, so a
 //! decode step that starts takes its core back at the next product.
 //!
@@ -13,10 +14,21 @@
 //! // Outside `spread`, products run on the calling thread alone.
 //! assert_eq!(cores::threads(), 1);
 //! cores::spread(2, || {
-//!     // Every core busy elsewhere: still one.
-//!     let _a = cores::busy();
-//!     let _b = cores::busy();
-//!     assert_eq!(cores::threads(), 1);
+//!     // Its own busy work (a held-out eval's decode steps) does not count.
+//!     let _own = cores::busy();
+//!     assert_eq!(cores::threads(), 2);
+//! });
+//! // Another thread decoding: one core left to spread over.
+//! let (taken, release) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+//! std::thread::scope(|s| {
+//!     s.spawn(|| {
+//!         let _busy = cores::busy();
+//!         taken.wait();
+//!         release.wait();
+//!     });
+//!     taken.wait();
+//!     cores::spread(2, || assert_eq!(cores::threads(), 1));
+//!     release.wait();
 //! });
 //! ```
 
@@ -32,20 +44,28 @@ thread_local! {
     static SPREAD: Cell<usize> = const { Cell::new(1) };
 }
 
-/// Marks the calling thread as computing on a core until the guard drops.
+/// Marks the calling thread as computing on a core until the guard drops. Inside
+/// [`spread`] it marks nothing: that thread's work already takes its cores from what the
+/// others leave (a trainer's held-out eval decodes with the engine that marks its steps
+/// busy, and must not count itself out of its own spread).
 #[must_use = "the core counts as busy only while the guard lives"]
 pub fn busy() -> Busy {
-    BUSY.fetch_add(1, Ordering::AcqRel);
-    Busy(())
+    let counted = SPREAD.with(Cell::get) <= 1;
+    if counted {
+        BUSY.fetch_add(1, Ordering::AcqRel);
+    }
+    Busy(counted)
 }
 
 /// A core in use; see [`busy`].
 #[derive(Debug)]
-pub struct Busy(());
+pub struct Busy(bool);
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        BUSY.fetch_sub(1, Ordering::AcqRel);
+        if self.0 {
+            BUSY.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 

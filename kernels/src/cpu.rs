@@ -147,11 +147,18 @@ pub fn matmul(
         }
         return;
     }
-    let par = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
+    if threads <= 1 {
+        // One thread asked for: the product still spreads over idle cores inside
+        // `cores::spread` (the same bits), as a training step's do.
+        let a = View::rows(&x[..n * inp], n, inp);
+        let b = View::rows(&w[..inp * out], inp, out);
+        // SAFETY: dst holds n × out elements (the assert above) with row stride `out`
+        // and column stride 1, a distinct &mut borrow that overlaps neither view; the
+        // views lie inside their slices; inp > 0 (returned above otherwise).
+        unsafe { gemm_raw(dst.as_mut_ptr(), out, 1, a, b, accumulate, 1.0) };
+        return;
+    }
+    let par = gemm::Parallelism::Rayon(threads);
     // SAFETY: the assert above keeps every access in bounds: dst is n × out with row
     // stride `out` and column stride 1; x is n × inp with row stride `inp`; w is inp × out
     // with row stride `out` and column stride 1. dst is a distinct &mut borrow, so it
@@ -841,6 +848,18 @@ mod tests {
                 one.iter().zip(&spread).all(|(x, y)| x.to_bits() == y.to_bits()),
                 "{m}×{k}×{n}: spread over two threads differs"
             );
+            // The inference product too (a held-out eval's decode steps spread), rows
+            // alone or together, accumulating or not.
+            for rows in [m, 2, 1] {
+                let mut base = data(rows * n, 3);
+                let mut spread = base.clone();
+                matmul(&a, rows, &b, k, n, &mut base, true, 1);
+                crate::cores::spread(2, || matmul(&a, rows, &b, k, n, &mut spread, true, 1));
+                assert!(
+                    base.iter().zip(&spread).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "matmul {rows}×{k}×{n}: spread over two threads differs"
+                );
+            }
         }
     }
 

@@ -228,7 +228,12 @@ pub fn evaluate(
     let tok = l
         .tokenizer
         .ok_or_else(|| anyhow!("{} has no tokenizer.json", dir.display()))?;
-    streamrl_stages::eval::evaluate(env, l.model, &tok, &template, n, k, max_tokens).map_err(|e| anyhow!("{e}"))
+    // Alone in its process: the decode's products spread over every core.
+    let cores = streamrl_model::cores::process_default();
+    streamrl_model::cores::spread(cores, || {
+        streamrl_stages::eval::evaluate(env, l.model, &tok, &template, n, k, max_tokens)
+    })
+    .map_err(|e| anyhow!("{e}"))
 }
 
 /// Runs `streamrl eval`.

@@ -266,11 +266,18 @@ impl Learner {
     /// One optimizer step over `samples`: packed, forwarded in micro-batches with gradients
     /// accumulated, normalised by the batch's trainable tokens.
     pub fn step(&mut self, samples: &[TrainSample]) -> streamrl_model::Result<StepReport> {
-        let cores = match self.cfg.cores {
+        let cores = self.cores();
+        cores::spread(cores, || self.step_on_cores(samples))
+    }
+
+    /// The cores this learner's work may spread over ([`TrainConfig::cores`], 0 resolved
+    /// to the process's default): its steps, and whatever else the trainer computes on
+    /// its weights (held-out evals) inside [`cores::spread`].
+    pub fn cores(&self) -> usize {
+        match self.cfg.cores {
             0 => cores::process_default(),
             n => n,
-        };
-        cores::spread(cores, || self.step_on_cores(samples))
+        }
     }
 
     /// [`Learner::step`], its products spread over the cores it was given.

@@ -724,18 +724,22 @@ impl TrainerStage {
             return vec![];
         };
         let template = self.template.clone();
+        let cores = self.learner.cores();
         let mut out = Vec::new();
         for (env, _) in envs.iter().filter(|(e, _)| !e.needs_sandbox()) {
+            // Spread like a training step: the same bits, on the cores the rollout leaves.
             let r = compute(|| {
-                crate::eval::evaluate(
-                    env,
-                    self.learner.model.clone(),
-                    tok,
-                    &template,
-                    self.cfg.eval_problems,
-                    0,
-                    self.cfg.eval_max_tokens,
-                )
+                streamrl_model::cores::spread(cores, || {
+                    crate::eval::evaluate(
+                        env,
+                        self.learner.model.clone(),
+                        tok,
+                        &template,
+                        self.cfg.eval_problems,
+                        0,
+                        self.cfg.eval_max_tokens,
+                    )
+                })
             });
             match r {
                 Ok(r) => out.push((format!("{}{}", name::HELDOUT_PREFIX, env.name()), r.greedy_accuracy)),

@@ -652,6 +652,15 @@ fn trainer(run_dir: &Path, ckpt: PathBuf) -> TrainerStage {
     .unwrap()
 }
 
+/// A trainer on a fresh tiny checkpoint (`dir/init`), started: version 0 is in `out`.
+async fn started_trainer(dir: &Path, out: &mut Emitter) -> TrainerStage {
+    let ckpt = dir.join("init");
+    tiny(&ckpt, 0);
+    let mut t = trainer(dir, ckpt);
+    t.start(out).await.unwrap();
+    t
+}
+
 fn metric(rows: &[streamrl_schemas::MetricRow], name: &str) -> f64 {
     rows.iter()
         .find(|r| r.name == name)
@@ -662,11 +671,9 @@ fn metric(rows: &[streamrl_schemas::MetricRow], name: &str) -> f64 {
 #[tokio::test]
 async fn trainer_steps_per_batch_publishes_versions_and_resumes_without_repeating_samples() {
     let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("init");
-    tiny(&ckpt, 0);
-    let mut t = trainer(dir.path(), ckpt.clone());
     let mut out = Emitter::default();
-    t.start(&mut out).await.unwrap();
+    let mut t = started_trainer(dir.path(), &mut out).await;
+    let ckpt = dir.path().join("init");
     let v0: Vec<PolicyRow> = batches(&mut out, "policy");
     assert_eq!(v0[0].version, 0);
 
@@ -753,11 +760,8 @@ async fn trainer_steps_per_batch_publishes_versions_and_resumes_without_repeatin
 #[tokio::test]
 async fn trainer_refuses_untrainable_samples_by_name() {
     let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("init");
-    tiny(&ckpt, 0);
-    let mut t = trainer(dir.path(), ckpt);
     let mut out = Emitter::default();
-    t.start(&mut out).await.unwrap();
+    let mut t = started_trainer(dir.path(), &mut out).await;
     out.drain();
     type Spoil = fn(&mut SampleRow);
     let bad: [(&str, Spoil); 3] = [
