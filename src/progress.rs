@@ -114,14 +114,15 @@ impl Summary {
     /// Takes in one `metrics` message, `secs` into the run: the held-out accuracy of
     /// version 0, or a trainer step's metrics (printed as one line unless `quiet`).
     fn record(&mut self, rows: &[MetricRow], secs: f64, max_steps: Option<u64>, quiet: bool) {
-        // The held-out accuracy of version 0 arrives on its own, before step 1.
-        if let Some(h) = rows.iter().find(|r| r.name == name::HELDOUT_ACCURACY && r.step == 0) {
-            self.heldout.insert(0, h.value);
-            if !quiet {
-                eprintln!("step    0 held-out accuracy {:.1}%", h.value * 100.0);
-            }
-        }
         let Some(step) = rows.iter().find(|r| r.name == name::STEP_SECONDS).map(|r| r.step) else {
+            // A held-out eval arrives on its own (the trainer runs it once its version
+            // has gone out), except the last version's, which comes with its step.
+            if let Some(h) = rows.iter().find(|r| r.name == name::HELDOUT_ACCURACY) {
+                self.heldout.insert(h.step, h.value);
+                if !quiet {
+                    eprintln!("step {:>4} held-out accuracy {:.1}%", h.step, h.value * 100.0);
+                }
+            }
             return;
         };
         self.at.insert(step, secs);

@@ -178,6 +178,15 @@ fn run_warm_starts_then_trains_through_every_stage_and_archives_the_lineage() {
         ["0", "1", "2", "3"]
     );
     assert!(err.contains("step    0 held-out accuracy"), "{err}");
+    // A version's eval runs after the version has gone out (the rollout stage loads it
+    // meanwhile), in a metrics message of its own; the last version's comes with its step.
+    assert_eq!(
+        q("SELECT h.step, h.created_at > l.created_at FROM metrics h \
+           JOIN metrics l ON l.step = h.step AND l.stage = 'trainer' AND l.name = 'loss' \
+           WHERE h.name = 'heldout_accuracy' ORDER BY h.step"),
+        ["1,true", "2,true", "3,false"]
+    );
+    assert!(err.contains("step    1 held-out accuracy"), "{err}");
     // The report: plots from the archive, an HTML page showing them.
     let (ok, out, err) = streamrl(dir.path(), &["report", "--run", "run"]);
     assert!(ok && out.contains("index.html"), "{out}{err}");

@@ -230,9 +230,11 @@ impl Frame {
     /// Grid lines, tick labels and the two axes.
     fn axes(&self, s: &mut Scene) {
         let (w, h, l, r, t, b) = (self.w, self.h, self.l, self.r, self.t, self.b);
+        let at = |lo: f64, hi: f64| -> Vec<f64> { (0..=4).map(|i| lo + (hi - lo) * i as f64 / 4.0).collect() };
+        let (xs, ys) = (at(self.x0, self.x1), at(self.y0, self.y1));
+        let (xl, yl) = (ticks(&xs), ticks(&ys));
         for i in 0..=4 {
-            let fx = self.x0 + (self.x1 - self.x0) * i as f64 / 4.0;
-            let fy = self.y0 + (self.y1 - self.y0) * i as f64 / 4.0;
+            let (fx, fy) = (xs[i], ys[i]);
             s.push(Shape::Line {
                 x1: l,
                 y1: self.sy(fy),
@@ -246,14 +248,14 @@ impl Frame {
                 y: h - b + 18.0,
                 size: 12.0,
                 anchor: "middle",
-                text: tick(fx),
+                text: xl[i].clone(),
             });
             s.push(Shape::Text {
                 x: l - 6.0,
                 y: self.sy(fy) + 4.0,
                 size: 12.0,
                 anchor: "end",
-                text: tick(fy),
+                text: yl[i].clone(),
             });
         }
         for (x1, y1, x2, y2) in [(l, h - b, w - r, h - b), (l, t, l, h - b)] {
@@ -311,12 +313,15 @@ impl Frame {
     }
 }
 
-fn tick(v: f64) -> String {
-    if v.abs() >= 1000.0 || (v.fract() == 0.0 && v.abs() >= 10.0) {
-        format!("{v:.0}")
-    } else {
-        format!("{v:.3}")
-    }
+/// The labels of one axis's ticks, all with as many decimals (at most 3) as the one that
+/// needs the most: `0, 4, 8, 12, 16`, or `0.39, 0.41, 0.43`, never `0.000` beside `12`.
+fn ticks(values: &[f64]) -> Vec<String> {
+    let exact = |v: f64, d: i32| {
+        let p = 10f64.powi(d);
+        ((v * p).round() / p - v).abs() <= 1e-9 * v.abs().max(1.0)
+    };
+    let d = (0..=3).find(|&d| values.iter().all(|&v| exact(v, d))).unwrap_or(3) as usize;
+    values.iter().map(|v| format!("{v:.d$}")).collect()
 }
 
 fn xml(s: &str) -> String {
@@ -390,4 +395,20 @@ pub async fn report(a: ReportArgs) -> Result<PathBuf> {
 
 fn write_file(path: &Path, text: &str) -> Result<()> {
     std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_axis_labels_its_ticks_with_one_precision() {
+        let t = |v: &[f64]| super::ticks(v);
+        assert_eq!(t(&[0.0, 4.0, 8.0, 12.0, 16.0]), ["0", "4", "8", "12", "16"]);
+        assert_eq!(
+            t(&[0.39, 0.41, 0.43, 0.45, 0.47]),
+            ["0.39", "0.41", "0.43", "0.45", "0.47"]
+        );
+        assert_eq!(t(&[0.0, 2.5, 5.0, 7.5, 10.0]), ["0.0", "2.5", "5.0", "7.5", "10.0"]);
+        assert_eq!(t(&[0.0, 1.0 / 3.0, 2.0 / 3.0]), ["0.000", "0.333", "0.667"]);
+        assert_eq!(t(&[0.0, 2500.5, 5001.0]), ["0.0", "2500.5", "5001.0"]);
+    }
 }

@@ -199,6 +199,9 @@ pub struct TrainerStage {
     publishing: Option<u64>,
     /// The lineage rows of the newest checkpoint.
     last_lineage: Vec<TrainedRow>,
+    /// A version whose held-out eval is due: run at the next call (tick or step), once
+    /// the version itself has gone out, so that the rollout stage loads it meanwhile.
+    eval_due: Option<u64>,
     /// Groups waiting, by admitted step, then group id.
     buffer: BTreeMap<u64, BTreeMap<String, Vec<SampleRow>>>,
     /// Since when groups of a later step have been waiting on an incomplete current step.
@@ -401,6 +404,7 @@ impl BuildStage for TrainerStage {
             published,
             publishing: None,
             last_lineage: state.lineage,
+            eval_due: None,
             version: state.version,
             current,
             cfg,
@@ -583,6 +587,8 @@ impl TrainerStage {
     }
 
     fn train_step(&mut self, out: &mut Emitter) -> Result<(), StageError> {
+        // Before the weights change (in the same call only if a tick trained two steps).
+        self.run_due_eval(out);
         let (groups, linked) = self.take_step_groups(out);
         // The step is a trace of its own, linked to every group it consumes; the version
         // it publishes (and its metrics) carry its context.
@@ -619,7 +625,12 @@ impl TrainerStage {
         let metrics = self.step_metrics(&all, &triage, &report);
         let mut m = metrics.rows();
         if self.cfg.eval_every > 0 && self.version.is_multiple_of(self.cfg.eval_every) {
-            m.extend(self.heldout());
+            if self.done() {
+                // The last version: the run ends with it, nothing waits for it.
+                m.extend(self.heldout());
+            } else {
+                self.eval_due = Some(self.version);
+            }
         }
         let refs: Vec<(&str, f64)> = m.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         if let Some((t, b)) = self.ctx.metrics(self.version, &refs) {
@@ -715,6 +726,20 @@ impl TrainerStage {
             },
             moe_imbalance: report.moe_imbalance.map(f64::from),
             staleness: triage.staleness.clone(),
+        }
+    }
+
+    /// The held-out eval that is due, if any: its metrics go out under its version.
+    /// It runs after the call that emitted the version has delivered it: the eval takes
+    /// as long as several training steps at SmolLM2's size (50 s), and run inside that
+    /// call it held the new version back from the rollout stage as long.
+    fn run_due_eval(&mut self, out: &mut Emitter) {
+        let Some(v) = self.eval_due.take() else { return };
+        debug_assert_eq!(v, self.version, "an eval is run before the next step");
+        let m = self.heldout();
+        let refs: Vec<(&str, f64)> = m.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        if let Some((t, b)) = self.ctx.metrics(v, &refs) {
+            out.emit(t, b);
         }
     }
 
@@ -847,10 +872,11 @@ impl Stage for TrainerStage {
             out.signal(self.policy_topic.clone(), Signal::EndOfRun);
         }
         if self.cfg.eval_every > 0 && self.version == 0 {
-            let m = self.heldout();
-            let refs: Vec<(&str, f64)> = m.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-            if let Some((t, b)) = self.ctx.metrics(0, &refs) {
-                out.emit(t, b);
+            // After version 0 has gone out (the source admits nothing before it), unless
+            // the run ends with it.
+            self.eval_due = Some(0);
+            if self.done() {
+                self.run_due_eval(out);
             }
         }
         Ok(())
@@ -937,6 +963,7 @@ impl Stage for TrainerStage {
     }
 
     async fn tick(&mut self, out: &mut Emitter) -> Result<(), StageError> {
+        self.run_due_eval(out);
         while !self.done() && self.ready() {
             self.train_step(out)?;
         }
