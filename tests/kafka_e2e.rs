@@ -66,6 +66,12 @@ impl Drop for KillOnPanic {
     }
 }
 
+/// Sends SIGTERM to process `pid` (with kill(1)) and checks that it was delivered.
+fn sigterm(pid: u32) {
+    let sent = Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap();
+    assert!(sent.success(), "kill -TERM {pid}: {sent}");
+}
+
 /// Offsets the archive stage `stage` (its consumer group) has committed on `topic`,
 /// summed over partitions.
 async fn archive_committed(bus: &std::sync::Arc<dyn bus::Bus>, stage: &str, topic: &str) -> u64 {
@@ -152,11 +158,7 @@ async fn stage_process_flushes_and_commits_on_sigterm() {
     assert!(text.contains("# TYPE streamrl_stage_in_rows_total counter"), "{text}");
     assert!(value("streamrl_stage_input_lag") <= 2, "{text}");
 
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    sigterm(child.id());
     let out = tokio::task::spawn_blocking(move || {
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         loop {
@@ -351,13 +353,7 @@ async fn stage_spans_are_exported_over_otlp() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
+    sigterm(child.id());
     let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
         .await
         .unwrap();
@@ -502,13 +498,7 @@ async fn one_trajectory_is_one_trace_across_stage_processes() {
 
     // SIGTERM: each exporter flushes at shutdown.
     for (c, reaper) in children.into_iter().zip(reapers) {
-        assert!(
-            Command::new("kill")
-                .args(["-TERM", &c.id().to_string()])
-                .status()
-                .unwrap()
-                .success()
-        );
+        sigterm(c.id());
         let mut c = c;
         let status = tokio::task::spawn_blocking(move || c.wait().unwrap()).await.unwrap();
         reaper.reaped();

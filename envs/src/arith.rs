@@ -317,6 +317,17 @@ mod tests {
     use super::*;
     use crate::rubric::ScoreInput;
 
+    /// An arith problem asking `question`, answered `answer`.
+    fn problem(question: &str, answer: &str) -> Problem {
+        Problem {
+            id: "x".into(),
+            env: "arith".into(),
+            question: question.into(),
+            answer: Some(answer.into()),
+            info: serde_json::Value::Null,
+        }
+    }
+
     #[test]
     fn evaluates_with_precedence_and_scores_exact_match() {
         assert_eq!(evaluate("2+3*4"), Some(14));
@@ -405,13 +416,7 @@ mod tests {
             ..Default::default()
         })
         .unwrap();
-        let p = Problem {
-            id: "x".into(),
-            env: "arith".into(),
-            question: "100+23".into(),
-            answer: Some("123".into()),
-            info: serde_json::Value::Null,
-        };
+        let p = problem("100+23", "123");
         let s = env.rubric().score(&ScoreInput {
             problem: &p,
             completion: "124\n",
@@ -436,13 +441,7 @@ mod tests {
             ..Default::default()
         })
         .unwrap();
-        let p = Problem {
-            id: "x".into(),
-            env: "arith".into(),
-            question: "7-3+90".into(),
-            answer: Some("94".into()),
-            info: serde_json::Value::Null,
-        };
+        let p = problem("7-3+90", "94");
         assert_eq!(
             env.prompt(&p).text,
             "What is 7 - 3 + 90?\nPut the final answer in \\boxed{}."

@@ -43,10 +43,10 @@ pub enum RopeLayout {
 
 /// The fields of a Hugging Face `config.json` that streamrl reads (others are ignored and
 /// kept when saving).
+#[serde_with::skip_serializing_none]
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct HfConfig {
     /// `llama`, `qwen2`, `qwen3`, `qwen3_moe`, `mixtral`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_type: Option<String>,
     /// Vocabulary size.
     pub vocab_size: usize,
@@ -60,10 +60,8 @@ pub struct HfConfig {
     /// Query heads.
     pub num_attention_heads: usize,
     /// Key/value heads (grouped-query attention); defaults to the query heads.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_key_value_heads: Option<usize>,
     /// Per-head width; defaults to hidden_size / heads.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub head_dim: Option<usize>,
     /// RMSNorm epsilon.
     #[serde(default = "default_eps")]
@@ -73,13 +71,10 @@ pub struct HfConfig {
     #[serde(default = "default_theta")]
     pub rope_theta: f64,
     /// transformers ≥ 5: the RoPE base and scaling (`rope_type`, `rope_theta`, `factor`, …).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_parameters: Option<RopeParameters>,
     /// transformers < 5: RoPE scaling (`rope_type` or `type`, `factor`, …); `null` for none.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<RopeParameters>,
     /// Fraction of each head rotated by RoPE; only 1.0 (the whole head) is supported.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partial_rotary_factor: Option<f64>,
     /// Longest sequence the model is meant for.
     #[serde(default = "default_max_pos")]
@@ -90,48 +85,34 @@ pub struct HfConfig {
     /// Biases on the attention projections: q/k/v/o for Llama, Qwen3 and Qwen3-MoE.
     /// Qwen2 always has q/k/v biases and no o bias, whatever this says; Mistral and
     /// Mixtral have none.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_bias: Option<bool>,
     /// Llama: biases on gate/up/down (other families have none and ignore the key).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mlp_bias: Option<bool>,
     /// Sliding-window attention width (Mistral, Mixtral; Qwen2/3 when
     /// `use_sliding_window` or `layer_types` says so). Supported only when inactive or
     /// at least `max_position_embeddings` wide, where it changes nothing.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<usize>,
     /// Qwen2/3: whether `sliding_window` applies.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub use_sliding_window: Option<bool>,
     /// Per layer: `full_attention` or `sliding_attention` (transformers ≥ 4.53).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layer_types: Option<Vec<String>>,
     /// Experts per MoE layer (Qwen3-MoE `num_experts`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_experts: Option<usize>,
     /// Experts per MoE layer (Mixtral `num_local_experts`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_local_experts: Option<usize>,
     /// Experts each token uses.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_experts_per_tok: Option<usize>,
     /// Feed-forward width of one expert.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe_intermediate_size: Option<usize>,
     /// Whether top-k router weights are renormalised to sum to 1.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub norm_topk_prob: Option<bool>,
     /// Width of the always-on shared expert (0/absent: none).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared_expert_intermediate_size: Option<usize>,
     /// Load-balance loss coefficient.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub router_aux_loss_coef: Option<f64>,
     /// streamrl extension: `softmax` (default) or `sigmoid` router scores.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub router_score: Option<RouterScore>,
     /// streamrl extension: `half_split` (HF default) or `interleaved` RoPE.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_layout: Option<RopeLayout>,
     /// Every other key, preserved on save.
     #[serde(flatten)]
@@ -150,30 +131,24 @@ fn default_max_pos() -> usize {
 
 /// RoPE settings as Hugging Face writes them: `rope_parameters` (transformers ≥ 5) or
 /// `rope_scaling` (earlier). Keys streamrl does not read are kept on save.
+#[serde_with::skip_serializing_none]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RopeParameters {
     /// `default`, `linear` or `llama3` (others are refused). Older files say `type`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_type: Option<String>,
     /// RoPE base.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_theta: Option<f64>,
     /// Scaling factor (`linear`, `llama3`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub factor: Option<f64>,
     /// `llama3`: wavelengths above `original_max_position_embeddings / low_freq_factor`
     /// are scaled by `factor`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub low_freq_factor: Option<f64>,
     /// `llama3`: wavelengths below `original_max_position_embeddings / high_freq_factor`
     /// are kept.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub high_freq_factor: Option<f64>,
     /// `llama3`: the context length the model was pretrained with.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub original_max_position_embeddings: Option<f64>,
     /// Fraction of each head rotated; only 1.0 is supported.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partial_rotary_factor: Option<f64>,
     /// Every other key (`type`, yarn's `beta_fast`, …), preserved on save.
     #[serde(flatten)]

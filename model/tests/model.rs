@@ -162,14 +162,7 @@ fn activation_checkpointing_gives_the_same_gradients() {
         for (k, v) in data.iter() {
             let (a, b) = (plain.get(v.as_tensor()).unwrap(), ckpt.get(v.as_tensor()));
             let b = b.unwrap_or_else(|| panic!("{name}: {k} got no gradient with checkpointing"));
-            let scale = a
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-                .max(1e-6);
+            let scale = max_abs(a).max(1e-6);
             let d = diff(a, b);
             assert!(d <= 1e-4 * scale.max(1.0), "{name}: {k} differs by {d} (scale {scale})");
         }
@@ -262,11 +255,16 @@ fn logits_at_chosen_positions_are_the_full_forwards_and_train_alike() {
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
-        .unwrap()
-        .abs()
+    max_abs(&(a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap())
+}
+
+/// The largest absolute value of `t` (any float dtype).
+fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
         .unwrap()
         .max_all()
+        .unwrap()
+        .to_dtype(DType::F32)
         .unwrap()
         .to_scalar::<f32>()
         .unwrap()
@@ -452,14 +450,7 @@ fn packed_samples_do_not_see_each_other() {
     let (lp, _) = loaded.model.forward(&packed).unwrap();
     let (la, _) = loaded.model.forward(&alone).unwrap();
     let x = lp.narrow(1, a.len(), b.len()).unwrap();
-    let diff = (x - la)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = max_abs_diff(&x, &la);
     assert!(diff <= 1e-5, "packed logits differ from alone by {diff}");
 }
 

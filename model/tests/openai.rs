@@ -6,7 +6,7 @@
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
-use streamrl_model::engine::{FinishReason, SamplingParams};
+use streamrl_model::engine::{FinishReason, Output, SamplingParams};
 use streamrl_model::openai::{ChatChunk, ChatCompletion, ErrorBody, Request, TextChoice, TextCompletion};
 
 fn golden(name: &str) -> String {
@@ -48,17 +48,22 @@ fn tool_params() -> SamplingParams {
     }
 }
 
+/// The first choice of `c` as the output of request `id` with a `prompt_len`-token prompt,
+/// under the tool-use sampling parameters, while policy `version` is the newest.
+fn first_output(c: TextCompletion, id: u64, prompt_len: usize, version: u32) -> Output {
+    c.choices
+        .into_iter()
+        .next()
+        .unwrap()
+        .into_output(id, prompt_len, &tool_params(), version)
+        .unwrap()
+}
+
 #[test]
 fn a_vllm_answer_reads_as_the_engine_output() {
     let c: TextCompletion = serde_json::from_str(&golden("vllm_completion.json")).unwrap();
     assert_eq!(c.usage.flatten().map(|u| u.completion_tokens), Some(8));
-    let o = c
-        .choices
-        .into_iter()
-        .next()
-        .unwrap()
-        .into_output(5, 41, &tool_params(), 7)
-        .unwrap();
+    let o = first_output(c, 5, 41, 7);
     assert_eq!(o.tokens, [27, 1350, 7, 21, 9, 22, 8, 524]);
     assert_eq!(o.logprobs[..3], [-0.0123f32, -0.5, -0.03125]);
     // vLLM reports no versions: every token gets the version last pushed.
@@ -74,13 +79,7 @@ fn a_vllm_answer_reads_as_the_engine_output() {
 #[test]
 fn streamrl_answers_carry_versions_and_lose_stop_strings() {
     let c: TextCompletion = serde_json::from_str(&golden("streamrl_completion.json")).unwrap();
-    let o = c
-        .choices
-        .into_iter()
-        .next()
-        .unwrap()
-        .into_output(1, 9, &tool_params(), 2)
-        .unwrap();
+    let o = first_output(c, 1, 9, 2);
     assert_eq!(o.versions, [3, 3, 4, 4]);
     assert_eq!((o.text.as_str(), o.finish_reason), ("42", FinishReason::Stop));
 }

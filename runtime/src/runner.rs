@@ -1020,24 +1020,10 @@ pub fn split_by_key(batch: &RecordBatch, key: Option<&str>) -> Result<Vec<Keyed>
     let col = batch
         .column_by_name(key)
         .ok_or_else(|| crate::Error::MissingKeyColumn { key: key.to_string() })?;
-    let values: Vec<Vec<u8>> = match col.data_type() {
-        DataType::Utf8 => col
-            .as_string::<i32>()
-            .iter()
-            .map(|v| v.unwrap_or("").as_bytes().to_vec())
-            .collect(),
-        DataType::UInt32 => col
-            .as_primitive::<arrow::datatypes::UInt32Type>()
-            .values()
-            .iter()
-            .map(|v| v.to_string().into_bytes())
-            .collect(),
-        DataType::UInt64 => col
-            .as_primitive::<arrow::datatypes::UInt64Type>()
-            .values()
-            .iter()
-            .map(|v| v.to_string().into_bytes())
-            .collect(),
+    // Integer keys split by their decimal text, the bytes a Kafka key would carry.
+    let text = match col.data_type() {
+        DataType::Utf8 => col.clone(),
+        DataType::UInt32 | DataType::UInt64 => arrow::compute::cast(col, &DataType::Utf8)?,
         other => {
             return Err(crate::Error::KeyType {
                 key: key.to_string(),
@@ -1045,9 +1031,13 @@ pub fn split_by_key(batch: &RecordBatch, key: Option<&str>) -> Result<Vec<Keyed>
             });
         }
     };
+    let values = text
+        .as_string::<i32>()
+        .iter()
+        .map(|v| v.unwrap_or("").as_bytes().to_vec());
     let mut order: Vec<Vec<u8>> = Vec::new();
     let mut rows: HashMap<Vec<u8>, Vec<u32>> = HashMap::new();
-    for (i, v) in values.into_iter().enumerate() {
+    for (i, v) in values.enumerate() {
         let e = rows.entry(v.clone()).or_default();
         if e.is_empty() {
             order.push(v);
@@ -1113,5 +1103,37 @@ mod tests {
             "{e}"
         );
         assert_eq!(split_by_key(&b, None).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn integer_keys_split_by_their_decimal_text_and_other_types_are_refused() {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("step", DataType::UInt64, false),
+            Field::new("turn", DataType::UInt32, false),
+            Field::new("x", DataType::Float32, false),
+        ]));
+        let b = RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(UInt64Array::from(vec![7, 12, 7])),
+                Arc::new(arrow::array::UInt32Array::from(vec![1, 1, 0])),
+                Arc::new(arrow::array::Float32Array::from(vec![0.5, 0.5, 0.5])),
+            ],
+        )
+        .unwrap();
+        let keys = |key| -> Vec<(Vec<u8>, usize)> {
+            split_by_key(&b, Some(key))
+                .unwrap()
+                .into_iter()
+                .map(|(k, b)| (k.unwrap(), b.num_rows()))
+                .collect()
+        };
+        assert_eq!(keys("step"), [(b"7".to_vec(), 2), (b"12".to_vec(), 1)]);
+        assert_eq!(keys("turn"), [(b"1".to_vec(), 2), (b"0".to_vec(), 1)]);
+        let e = split_by_key(&b, Some("x")).unwrap_err();
+        assert!(
+            matches!(&e, crate::Error::KeyType { key, data_type } if key == "x" && data_type == "Float32"),
+            "{e}"
+        );
     }
 }

@@ -581,19 +581,13 @@ impl Topology {
         }
         for (n, st) in &self.stages {
             s.push_str(&format!("  s_{n}[\"{n} ({}) × {}\"]\n", st.kind, st.replicas));
-            for t in &st.inputs {
-                s.push_str(&format!("  t_{t} --> s_{n}\n"));
-            }
-            for t in &st.broadcast {
-                s.push_str(&format!("  t_{t} -. broadcast .-> s_{n}\n"));
-            }
-            for t in &st.outputs {
-                let arrow = if self.topics.get(t).is_some_and(|d| d.feedback) {
-                    "-. feedback .->"
-                } else {
-                    "-->"
-                };
-                s.push_str(&format!("  s_{n} {arrow} t_{t}\n"));
+            for (t, edge) in self.edges_of(st) {
+                s.push_str(&match edge {
+                    Edge::Input => format!("  t_{t} --> s_{n}\n"),
+                    Edge::Broadcast => format!("  t_{t} -. broadcast .-> s_{n}\n"),
+                    Edge::Output => format!("  s_{n} --> t_{t}\n"),
+                    Edge::Feedback => format!("  s_{n} -. feedback .-> t_{t}\n"),
+                });
             }
         }
         s
@@ -613,24 +607,42 @@ impl Topology {
                 "  \"s:{n}\" [shape=box,label=\"{n} ({}) × {}\"];\n",
                 st.kind, st.replicas
             ));
-            for t in &st.inputs {
-                s.push_str(&format!("  \"t:{t}\" -> \"s:{n}\";\n"));
-            }
-            for t in &st.broadcast {
-                s.push_str(&format!("  \"t:{t}\" -> \"s:{n}\" [style=dashed,label=broadcast];\n"));
-            }
-            for t in &st.outputs {
-                let style = if self.topics.get(t).is_some_and(|d| d.feedback) {
-                    " [style=dashed,label=feedback]"
-                } else {
-                    ""
-                };
-                s.push_str(&format!("  \"s:{n}\" -> \"t:{t}\"{style};\n"));
+            for (t, edge) in self.edges_of(st) {
+                s.push_str(&match edge {
+                    Edge::Input => format!("  \"t:{t}\" -> \"s:{n}\";\n"),
+                    Edge::Broadcast => format!("  \"t:{t}\" -> \"s:{n}\" [style=dashed,label=broadcast];\n"),
+                    Edge::Output => format!("  \"s:{n}\" -> \"t:{t}\";\n"),
+                    Edge::Feedback => format!("  \"s:{n}\" -> \"t:{t}\" [style=dashed,label=feedback];\n"),
+                });
             }
         }
         s.push_str("}\n");
         s
     }
+
+    /// A stage's edges in drawing order: its inputs, its broadcast topics, then its outputs
+    /// (an output to a feedback topic is a [`Edge::Feedback`]).
+    fn edges_of<'a>(&'a self, st: &'a StageDecl) -> impl Iterator<Item = (&'a str, Edge)> + 'a {
+        let inputs = st.inputs.iter().map(|t| (t.as_str(), Edge::Input));
+        let broadcast = st.broadcast.iter().map(|t| (t.as_str(), Edge::Broadcast));
+        let outputs = st.outputs.iter().map(|t| {
+            let feedback = self.topics.get(t).is_some_and(|d| d.feedback);
+            (t.as_str(), if feedback { Edge::Feedback } else { Edge::Output })
+        });
+        inputs.chain(broadcast).chain(outputs)
+    }
+}
+
+/// An edge of the stage graph, as [`Topology::to_mermaid`] and [`Topology::to_dot`] draw it.
+enum Edge {
+    /// Topic → stage, consumed by the stage's group.
+    Input,
+    /// Topic → stage, read whole by every replica.
+    Broadcast,
+    /// Stage → topic.
+    Output,
+    /// Stage → a feedback topic (the one allowed cycle).
+    Feedback,
 }
 
 /// Pass 1: every top-level key is one streamrl knows.

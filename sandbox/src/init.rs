@@ -140,21 +140,26 @@ fn ctx<T>(r: io::Result<T>, what: impl FnOnce() -> String) -> io::Result<T> {
     r.map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", what())))
 }
 
+/// Mounts a fresh tmpfs at `at` with mount `flags` and tmpfs `options`; an error names
+/// `what` was being mounted.
+fn mount_tmpfs(at: &Path, flags: libc::c_ulong, options: &str, what: &str) -> io::Result<()> {
+    ctx(
+        sys::mount(Some("tmpfs"), at, Some("tmpfs"), flags, Some(options)),
+        || format!("mount the tmpfs of {what}"),
+    )
+}
+
 fn build_root(cfg: &InitConfig) -> io::Result<()> {
     let staging = Path::new(STAGING);
     ctx(
         sys::mount(None, Path::new("/"), None, libc::MS_REC | libc::MS_PRIVATE, None),
         || "make / private".into(),
     )?;
-    ctx(
-        sys::mount(
-            Some("tmpfs"),
-            staging,
-            Some("tmpfs"),
-            libc::MS_NOSUID | libc::MS_NODEV,
-            Some("size=1m,mode=0755"),
-        ),
-        || "mount the new root tmpfs".into(),
+    mount_tmpfs(
+        staging,
+        libc::MS_NOSUID | libc::MS_NODEV,
+        "size=1m,mode=0755",
+        "the new root",
     )?;
     let at = |p: &str| staging.join(p.trim_start_matches('/'));
     for d in ["dev", "proc", "work", "tmp", "etc", ".old"] {
@@ -211,16 +216,7 @@ fn bind_host_paths(cfg: &InitConfig, at: &dyn Fn(&str) -> PathBuf) -> io::Result
 /// A minimal `/dev` at `dev`: null, zero, random and urandom bound from the host, the
 /// IPC namespace's message queues, and the fd/stdin/stdout/stderr links.
 fn populate_dev(dev: &Path) -> io::Result<()> {
-    ctx(
-        sys::mount(
-            Some("tmpfs"),
-            dev,
-            Some("tmpfs"),
-            libc::MS_NOSUID | libc::MS_NOEXEC,
-            Some("size=64k,mode=0755"),
-        ),
-        || "mount /dev".into(),
-    )?;
+    mount_tmpfs(dev, libc::MS_NOSUID | libc::MS_NOEXEC, "size=64k,mode=0755", "/dev")?;
     for name in ["null", "zero", "random", "urandom"] {
         let t = dev.join(name);
         std::fs::write(&t, b"")?;
@@ -282,13 +278,9 @@ fn mount_scratch(cfg: &InitConfig, work: &Path, tmp: &Path) -> io::Result<()> {
     let owner = cfg.run_as.unwrap_or(0);
     let flags = libc::MS_NOSUID | libc::MS_NODEV;
     let w = format!("size={},mode=0755,uid={owner},gid={owner}", cfg.work_bytes);
-    ctx(sys::mount(Some("tmpfs"), work, Some("tmpfs"), flags, Some(&w)), || {
-        "mount /work".into()
-    })?;
+    mount_tmpfs(work, flags, &w, "/work")?;
     let t = format!("size={},mode=1777", cfg.tmp_bytes);
-    ctx(sys::mount(Some("tmpfs"), tmp, Some("tmpfs"), flags, Some(&t)), || {
-        "mount /tmp".into()
-    })
+    mount_tmpfs(tmp, flags, &t, "/tmp")
 }
 
 /// Makes the sandbox as new: no processes, empty `/work` and `/tmp`, no IPC objects (SysV

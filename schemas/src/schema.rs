@@ -179,6 +179,29 @@ fn fingerprint_of(schema: &Schema) -> String {
 
 /// Columns shared by rollouts, continuations, executed and scored: one trajectory turn.
 fn trajectory_fields() -> Vec<Field> {
+    let mut v = sample_identity_fields();
+    v.extend([
+        u32f(f::SAMPLE_INDEX),
+        u32f(f::GROUP_SIZE),
+        u32f(f::TURN),
+        utf8(f::PROMPT),
+        list(f::PROMPT_TOKEN_IDS, DataType::UInt32),
+        utf8(f::COMPLETION),
+    ]);
+    v.extend(completion_fields());
+    v.extend([
+        tool_calls_field(),
+        utf8_null(f::ANSWER),
+        utf8_null(f::INFO),
+        Field::new(f::TEMPERATURE, DataType::Float32, false),
+        timestamp(f::STARTED_AT),
+        timestamp(f::FINISHED_AT),
+    ]);
+    v
+}
+
+/// The columns that name one sample and where it comes from (rollouts and samples alike).
+fn sample_identity_fields() -> Vec<Field> {
     vec![
         utf8(f::RUN_ID),
         utf8(f::PROBLEM_ID),
@@ -187,23 +210,18 @@ fn trajectory_fields() -> Vec<Field> {
         utf8(f::SAMPLE_ID),
         utf8(f::ENV),
         u64f(f::STEP),
-        u32f(f::SAMPLE_INDEX),
-        u32f(f::GROUP_SIZE),
-        u32f(f::TURN),
-        utf8(f::PROMPT),
-        list(f::PROMPT_TOKEN_IDS, DataType::UInt32),
-        utf8(f::COMPLETION),
+    ]
+}
+
+/// A completion's tokens with the sampler's logprobs and versions, its loss mask and why it
+/// ended (rollouts and samples alike).
+fn completion_fields() -> [Field; 5] {
+    [
         list(f::COMPLETION_TOKEN_IDS, DataType::UInt32),
         list(f::COMPLETION_LOGPROBS, DataType::Float32),
         list(f::COMPLETION_VERSIONS, DataType::UInt32),
         list(f::LOSS_MASK, DataType::Boolean),
         utf8(f::FINISH_REASON),
-        tool_calls_field(),
-        utf8_null(f::ANSWER),
-        utf8_null(f::INFO),
-        Field::new(f::TEMPERATURE, DataType::Float32, false),
-        timestamp(f::STARTED_AT),
-        timestamp(f::FINISHED_AT),
     ]
 }
 
@@ -221,25 +239,15 @@ fn execution_fields() -> Vec<Field> {
 }
 
 fn tool_calls_field() -> Field {
-    struct_list(
-        f::TOOL_CALLS,
-        vec![
-            utf8(f::tool_call::ID),
-            utf8(f::tool_call::NAME),
-            utf8(f::tool_call::ARGUMENTS),
-        ],
-    )
+    use f::tool_call as c;
+    struct_list(f::TOOL_CALLS, [c::ID, c::NAME, c::ARGUMENTS].map(utf8).into())
 }
 
 fn tool_outputs_field() -> Field {
+    use f::tool_output as o;
     struct_list(
         f::TOOL_OUTPUTS,
-        vec![
-            utf8(f::tool_output::CALL_ID),
-            utf8(f::tool_output::NAME),
-            utf8(f::tool_output::OUTPUT),
-            utf8(f::tool_output::STATUS),
-        ],
+        [o::CALL_ID, o::NAME, o::OUTPUT, o::STATUS].map(utf8).into(),
     )
 }
 
@@ -308,24 +316,14 @@ fn prompt_fields() -> Vec<Field> {
 
 /// The fields of a `samples` row: one masked, scored training sample.
 fn sample_fields() -> Vec<Field> {
-    vec![
-        utf8(f::RUN_ID),
-        utf8(f::PROBLEM_ID),
-        utf8(f::GROUP_ID),
-        utf8(f::ROLLOUT_ID),
-        utf8(f::SAMPLE_ID),
-        utf8(f::ENV),
-        u64f(f::STEP),
-        u32f(f::TURN),
-        list(f::PROMPT_TOKEN_IDS, DataType::UInt32),
-        list(f::COMPLETION_TOKEN_IDS, DataType::UInt32),
-        list(f::COMPLETION_LOGPROBS, DataType::Float32),
-        list(f::COMPLETION_VERSIONS, DataType::UInt32),
-        list(f::LOSS_MASK, DataType::Boolean),
-        utf8(f::FINISH_REASON),
+    let mut v = sample_identity_fields();
+    v.extend([u32f(f::TURN), list(f::PROMPT_TOKEN_IDS, DataType::UInt32)]);
+    v.extend(completion_fields());
+    v.extend([
         Field::new(f::REWARD, DataType::Float32, false),
         Field::new(f::ADVANTAGE, DataType::Float32, false),
-    ]
+    ]);
+    v
 }
 
 #[cfg(test)]
@@ -342,6 +340,31 @@ mod tests {
         }
         let err = "rollout".parse::<SchemaId>().unwrap_err().to_string();
         assert!(err.contains("`rollout`"), "{err}");
+    }
+
+    /// The fingerprints travel in every message's header: a schema change must be a
+    /// decision (bump these), never a side effect of rearranging this file.
+    #[test]
+    fn fingerprints_are_pinned() {
+        let prints: Vec<String> = SchemaId::ALL
+            .iter()
+            .map(|id| format!("{id} {}", id.fingerprint()))
+            .collect();
+        assert_eq!(
+            prints,
+            [
+                "prompts e3ec52100a2740f3",
+                "rollouts 23fc4b79594f83fb",
+                "continuations 795235a00684d9b9",
+                "executed 7ea0fad18b474112",
+                "scored 730b0ba3f0d26ef9",
+                "samples 367acf12961d9b5d",
+                "policy 8d6857dd816098e2",
+                "trained d82164875a8ebc6b",
+                "metrics eeed1610d7c86cbe",
+                "dead_letter fb219569d8dfea66",
+            ]
+        );
     }
 
     #[test]

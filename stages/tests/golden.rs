@@ -7,19 +7,15 @@ use std::path::Path;
 
 use arrow::record_batch::RecordBatch;
 use arrow::util::pretty::pretty_format_batches;
-use streamrl_runtime::build::{BuildContext, BuildStage};
+
 use streamrl_runtime::{Emitter, Input, Stage};
 use streamrl_schemas::{ExecutedRow, RolloutRow, SampleRow, SchemaId, ScoredRow, TopicRow};
 use streamrl_stages::build_envs;
-use streamrl_stages::mask::{MaskConfig, MaskStage};
-use streamrl_stages::reward::{RewardConfig, RewardStage};
+use streamrl_stages::mask::MaskStage;
+use streamrl_stages::reward::RewardStage;
 use streamrl_stages::sandbox::pass_through;
 
 mod common;
-
-fn ctx(stage: &str, run_dir: &Path, output: (&str, SchemaId)) -> BuildContext {
-    common::ctx("golden", stage, run_dir, &[output], "arith: {weight: 1}")
-}
 
 /// An arith rollout of group `group` answering `completion` (the answer is 2).
 fn executed(group: &str, i: u32, size: u32, completion: &str) -> ExecutedRow {
@@ -72,12 +68,7 @@ fn outputs<T: TopicRow>(out: &mut Emitter, topic: &str, zero: impl Fn(&mut T)) -
 
 #[tokio::test]
 async fn reward_stage_golden() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut stage = RewardStage::build(
-        RewardConfig::default(),
-        &ctx("reward", dir.path(), ("scored", SchemaId::Scored)),
-    )
-    .unwrap();
+    let (_dir, mut stage) = common::default_stage::<RewardStage>("golden", "reward", &[("scored", SchemaId::Scored)]);
     let rows = [
         executed("g", 0, 4, "2"),
         executed("g", 1, 4, "3"),
@@ -101,12 +92,7 @@ async fn reward_stage_golden() {
 
 #[tokio::test]
 async fn mask_stage_golden() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut stage = MaskStage::build(
-        MaskConfig::default(),
-        &ctx("mask", dir.path(), ("samples", SchemaId::Samples)),
-    )
-    .unwrap();
+    let (_dir, mut stage) = common::default_stage::<MaskStage>("golden", "mask", &[("samples", SchemaId::Samples)]);
     let envs = build_envs(&serde_yaml::from_str("arith: {}").unwrap())
         .unwrap()
         .unwrap();

@@ -8,8 +8,8 @@ use streamrl_runtime::build::{BuildContext, BuildStage};
 use streamrl_runtime::{Emitter, Input, Stage};
 use streamrl_schemas::{PolicyRow, PromptRow, RolloutRow, SampleRow, SchemaId, ScoredRow, TopicRow, Validate};
 use streamrl_stages::build_envs;
-use streamrl_stages::mask::{MaskConfig, MaskStage};
-use streamrl_stages::reward::{RewardConfig, RewardStage};
+use streamrl_stages::mask::MaskStage;
+use streamrl_stages::reward::RewardStage;
 use streamrl_stages::rollout::{RolloutConfig, RolloutStage};
 use streamrl_stages::sandbox::pass_through;
 use streamrl_stages::source::{SourceConfig, SourceStage};
@@ -65,12 +65,7 @@ fn scored(group: &str, i: u32, size: u32, reward: f32) -> ScoredRow {
 
 #[tokio::test]
 async fn reward_scores_with_the_environment_rubric_and_refuses_unknown_environments() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut stage = RewardStage::build(
-        RewardConfig::default(),
-        &ctx("reward", dir.path(), &[("scored", SchemaId::Scored)]),
-    )
-    .unwrap();
+    let (_dir, mut stage) = common::default_stage::<RewardStage>("test", "reward", &[("scored", SchemaId::Scored)]);
     let good = pass_through(rollout_row("g", 0, 2));
     let mut wrong = good.clone();
     wrong.completion = "3\n".into();
@@ -95,12 +90,7 @@ async fn reward_scores_with_the_environment_rubric_and_refuses_unknown_environme
 
 #[tokio::test]
 async fn mask_waits_for_the_whole_group_dedups_and_filters_groups_without_signal() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut stage = MaskStage::build(
-        MaskConfig::default(),
-        &ctx("mask", dir.path(), &[("samples", SchemaId::Samples)]),
-    )
-    .unwrap();
+    let (_dir, mut stage) = common::default_stage::<MaskStage>("test", "mask", &[("samples", SchemaId::Samples)]);
     let mut out = Emitter::default();
     for (i, r) in [1.0, 0.0, 0.0].into_iter().enumerate() {
         stage

@@ -10,6 +10,7 @@ use opentelemetry_proto::tonic::collector::metrics::v1::ExportMetricsServiceRequ
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value::Value};
 use opentelemetry_proto::tonic::metrics::v1::{metric::Data, number_data_point};
+use opentelemetry_proto::tonic::resource::v1::Resource;
 use prost::Message as _;
 
 /// A span as the receiver got it.
@@ -81,16 +82,19 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// The `service.name` of an export's resource ("" when it has none).
+fn service_name(resource: Option<&Resource>) -> String {
+    resource
+        .and_then(|r| attrs(&r.attributes).remove("service.name"))
+        .unwrap_or_default()
+}
+
 fn decode(path: &str, body: &[u8], out: &Mutex<Received>) {
     match path {
         "/v1/traces" => {
             let req = ExportTraceServiceRequest::decode(body).expect("an OTLP protobuf trace export");
             for rs in req.resource_spans {
-                let service = rs
-                    .resource
-                    .as_ref()
-                    .and_then(|r| attrs(&r.attributes).remove("service.name"))
-                    .unwrap_or_default();
+                let service = service_name(rs.resource.as_ref());
                 for s in rs.scope_spans.into_iter().flat_map(|ss| ss.spans) {
                     out.lock().unwrap().spans.push(ExportedSpan {
                         service: service.clone(),
@@ -107,11 +111,7 @@ fn decode(path: &str, body: &[u8], out: &Mutex<Received>) {
         "/v1/metrics" => {
             let req = ExportMetricsServiceRequest::decode(body).expect("an OTLP protobuf metrics export");
             for rm in req.resource_metrics {
-                let service = rm
-                    .resource
-                    .as_ref()
-                    .and_then(|r| attrs(&r.attributes).remove("service.name"))
-                    .unwrap_or_default();
+                let service = service_name(rm.resource.as_ref());
                 for m in rm.scope_metrics.into_iter().flat_map(|s| s.metrics) {
                     let point = |attributes: &[KeyValue], value: f64, sum: Option<f64>| ExportedPoint {
                         service: service.clone(),

@@ -32,6 +32,15 @@ pub async fn open(url: &str) -> Arc<dyn Bus> {
         .unwrap_or_else(|e| panic!("connect {url}: {e}"))
 }
 
+/// A bus on the backend with a new topic (named after `name`, with `partitions`), and a new
+/// consumer group name.
+async fn with_topic(b: &dyn Backend, name: &str, partitions: u32) -> (Arc<dyn Bus>, String, String) {
+    let bus = open(&b.url()).await;
+    let (topic, group) = (unique(name), unique("g"));
+    bus.create_topic(&TopicSpec::new(&topic, partitions)).await.unwrap();
+    (bus, topic, group)
+}
+
 fn seq_record(key: &str, seq: u64) -> Record {
     Record::new(format!("{key}:{seq}").into_bytes()).with_key(key)
 }
@@ -73,9 +82,7 @@ async fn take(c: &mut Box<dyn Consumer>, n: usize, ack: bool, patience: Duration
 }
 
 pub async fn order_within_key(b: &dyn Backend) {
-    let bus = open(&b.url()).await;
-    let topic = unique("order");
-    bus.create_topic(&TopicSpec::new(&topic, 4)).await.unwrap();
+    let (bus, topic, _) = with_topic(b, "order", 4).await;
     let keys = ["alpha", "beta", "gamma", "delta", "epsilon"];
     let records = (0..200u64).map(|i| seq_record(keys[i as usize % 5], i)).collect();
     produce(&bus, &topic, records).await;
@@ -95,9 +102,7 @@ pub async fn order_within_key(b: &dyn Backend) {
 }
 
 pub async fn spread_over_partitions(b: &dyn Backend) {
-    let bus = open(&b.url()).await;
-    let topic = unique("spread");
-    bus.create_topic(&TopicSpec::new(&topic, 4)).await.unwrap();
+    let (bus, topic, _) = with_topic(b, "spread", 4).await;
     produce(
         &bus,
         &topic,
@@ -156,10 +161,7 @@ async fn until(patience: Duration, what: &str, mut f: impl FnMut() -> bool) {
 }
 
 pub async fn rebalance_join_and_leave(b: &dyn Backend) {
-    let bus = open(&b.url()).await;
-    let topic = unique("rebalance");
-    let group = unique("g");
-    bus.create_topic(&TopicSpec::new(&topic, 4)).await.unwrap();
+    let (bus, topic, group) = with_topic(b, "rebalance", 4).await;
     let key = |i: u64| format!("k{}", i % 16);
     produce(&bus, &topic, (0..100).map(|i| seq_record(&key(i), i)).collect()).await;
     let a = worker(bus.subscribe(&group, std::slice::from_ref(&topic)).await.unwrap());
@@ -288,10 +290,7 @@ pub async fn every_topic_spread_over_members(b: &dyn Backend) {
 /// commit past a redelivered record that has not been acknowledged (the archive once lost
 /// a record that way).
 pub async fn stale_ack_after_rebalance(b: &dyn Backend) {
-    let bus = open(&b.url()).await;
-    let topic = unique("stale-ack");
-    let group = unique("g");
-    bus.create_topic(&TopicSpec::new(&topic, 2)).await.unwrap();
+    let (bus, topic, group) = with_topic(b, "stale-ack", 2).await;
     // Four records on each partition.
     let keys: Vec<String> = [0u32, 1]
         .iter()
@@ -360,10 +359,7 @@ pub async fn stale_ack_after_rebalance(b: &dyn Backend) {
 }
 
 pub async fn redelivery_after_crash(b: &dyn Backend) {
-    let bus = open(&b.url()).await;
-    let topic = unique("crash");
-    let group = unique("g");
-    bus.create_topic(&TopicSpec::new(&topic, 2)).await.unwrap();
+    let (bus, topic, group) = with_topic(b, "crash", 2).await;
     produce(
         &bus,
         &topic,
@@ -403,10 +399,7 @@ pub async fn redelivery_after_crash(b: &dyn Backend) {
 }
 
 pub async fn resume_after_restart(b: &dyn Backend) {
-    let bus = open(&b.url()).await;
-    let topic = unique("resume");
-    let group = unique("g");
-    bus.create_topic(&TopicSpec::new(&topic, 1)).await.unwrap();
+    let (bus, topic, group) = with_topic(b, "resume", 1).await;
     produce(&bus, &topic, (0..100).map(|i| seq_record("one-key", i)).collect()).await;
     let mut a = bus.subscribe(&group, std::slice::from_ref(&topic)).await.unwrap();
     let first = take(&mut a, 30, true, b.patience()).await;
@@ -492,9 +485,7 @@ pub async fn backpressure(b: &dyn Backend) {
 }
 
 pub async fn broadcast(b: &dyn Backend) {
-    let bus = open(&b.url()).await;
-    let topic = unique("policy");
-    bus.create_topic(&TopicSpec::new(&topic, 2)).await.unwrap();
+    let (bus, topic, _) = with_topic(b, "policy", 2).await;
     let mut subs = Vec::new();
     for _ in 0..3 {
         subs.push(bus.broadcast(&topic).await.unwrap());
@@ -725,9 +716,7 @@ pub async fn dead_letter(b: &dyn Backend) {
 /// `bus::newest` reads what a topic holds now: nothing for an empty topic, the last record
 /// of each non-empty partition otherwise, and leaves no group behind.
 pub async fn newest_of_each_partition(b: &dyn Backend) {
-    let bus = open(&b.url()).await;
-    let topic = unique("newest");
-    bus.create_topic(&TopicSpec::new(&topic, 3)).await.unwrap();
+    let (bus, topic, _) = with_topic(b, "newest", 3).await;
     let patience = b.patience();
     let none = streamrl_runtime::bus::newest(bus.as_ref(), &topic, patience)
         .await

@@ -112,98 +112,69 @@ pub struct Message {
 
 /// Both endpoints' request body (`prompt` for completions, `messages` for chat). Fields
 /// left `None` are not sent.
+#[serde_with::skip_serializing_none]
 #[derive(Debug, Default, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct Request {
     /// Must be the served model's name when given.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     /// Completions: a string, a list of token ids, or a list holding one of those.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt: Option<Value>,
     /// Chat: the conversation.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub messages: Option<Vec<Message>>,
     /// Choices per request (1..=128).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub n: Option<u64>,
     /// Sampling temperature (0..=2; 0 is greedy).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f64>,
     /// Nucleus mass in (0, 1].
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub top_p: Option<f64>,
     /// Keep the k most likely tokens (vLLM; 0 or -1: off).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub top_k: Option<i64>,
     /// New tokens at most.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u64>,
     /// The chat API's newer name for `max_tokens`.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_completion_tokens: Option<u64>,
     /// A stop string or a list of them.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub stop: Option<Stop>,
     /// Token ids that end a choice (vLLM).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub stop_token_ids: Option<Vec<u32>>,
     /// RNG seed (any 64-bit integer, signed or not).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub seed: Option<Seed>,
     /// Server-sent events.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub stream: Option<bool>,
     /// Streaming options.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub stream_options: Option<StreamOptions>,
     /// Chat: `true` for logprobs; completions: the number of alternatives per token.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<Logprobs>,
     /// Chat: alternatives per token (0..=20, needs `logprobs: true`).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub top_logprobs: Option<u64>,
     /// Completions: the prompt is part of the answer's text (and of its logprobs).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub echo: Option<bool>,
     /// Keep generating past end-of-sequence (vLLM).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub ignore_eos: Option<bool>,
     /// Keep the stop string in the text (vLLM; finish reason `tool_calls` in chat).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub include_stop_str_in_output: Option<bool>,
     /// Logprob tokens as `token_id:N` (vLLM); streamrl adds `policy_versions`.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub return_tokens_as_token_ids: Option<bool>,
     /// Accepted for vLLM clients; special tokens are never removed from streamrl's text.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub skip_special_tokens: Option<bool>,
     /// Not implemented: refused unless 0.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub presence_penalty: Option<f64>,
     /// Not implemented: refused unless 0.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub frequency_penalty: Option<f64>,
     /// Not implemented: refused unless 1.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub repetition_penalty: Option<f64>,
     /// Not implemented: refused unless empty.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub logit_bias: Option<HashMap<String, f64>>,
     /// Not implemented: refused unless empty.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub tools: Option<Vec<Value>>,
     /// Only `{"type": "text"}`.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub response_format: Option<Value>,
     /// Not implemented: refused unless 1 or n.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub best_of: Option<u64>,
     /// Not implemented: refused unless empty.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub suffix: Option<String>,
     /// Accepted and ignored.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
 }
 

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use streamrl_runtime::build::BuildContext;
+use streamrl_runtime::build::{BuildContext, BuildStage};
 use streamrl_schemas::{RolloutRow, SchemaId};
 
 /// The context of replica 0 of `stage` in run `run_id` under `run_dir`, emitting to
@@ -15,6 +15,15 @@ pub fn ctx(run_id: &str, stage: &str, run_dir: &Path, outputs: &[(&str, SchemaId
         envs: serde_yaml::from_str(envs).unwrap(),
         ..BuildContext::new(stage, 0)
     }
+}
+
+/// Replica 0 of a stage `S` with its default config, in run `run_id` with the arith
+/// environment, emitting to `outputs`; the directory is its run dir (keep it alive).
+pub fn default_stage<S: BuildStage>(run_id: &str, stage: &str, outputs: &[(&str, SchemaId)]) -> (tempfile::TempDir, S) {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = ctx(run_id, stage, dir.path(), outputs, "arith: {weight: 1}");
+    let built = S::build(S::Config::default(), &ctx).unwrap();
+    (dir, built)
 }
 
 /// Sample `i` of arith group `group` (of `size`) in run `test`: the prompt `1+1=` answered
