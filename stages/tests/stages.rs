@@ -602,6 +602,14 @@ async fn rollout_prepares_a_new_version_beside_decoding() {
     );
 }
 
+/// The two samples of group `group` from policy `version`: rewards 0 and 1, advantages
+/// −0.5 and 0.5.
+fn pair(group: &str, version: u32) -> Vec<SampleRow> {
+    (0..2)
+        .map(|i| sample(group, i, i as f32, i as f32 - 0.5, version))
+        .collect()
+}
+
 fn sample(group: &str, i: u32, reward: f32, adv: f32, version: u32) -> SampleRow {
     SampleRow {
         run_id: "test".into(),
@@ -667,22 +675,18 @@ async fn trainer_steps_per_batch_publishes_versions_and_resumes_without_repeatin
     let v0: Vec<PolicyRow> = batches(&mut out, "policy");
     assert_eq!(v0[0].version, 0);
 
-    let g1: Vec<SampleRow> = (0..2).map(|i| sample("g1", i, i as f32, i as f32 - 0.5, 0)).collect();
+    let g1 = pair("g1", 0);
     t.process(input("samples", &g1), &mut out).await.unwrap();
     assert_eq!(out.holding(), Some(Some("g1")));
     assert!(out.drain().is_empty(), "stepped before the batch was full");
     t.process(input("samples", &g1), &mut out).await.unwrap();
     assert!(out.drain().is_empty(), "a duplicate group counted toward the batch");
-    let g2: Vec<SampleRow> = (0..2).map(|i| sample("g2", i, i as f32, i as f32 - 0.5, 0)).collect();
+    let g2 = pair("g2", 0);
     let mut out = Emitter::default();
     t.process(input("samples", &g2), &mut out).await.unwrap();
     assert_eq!(out.released(), ["g1".to_string(), "g2".to_string()]);
     let drained = out.drain();
-    let policy: Vec<PolicyRow> = drained
-        .iter()
-        .filter(|(t, _)| t == "policy")
-        .flat_map(|(_, b)| PolicyRow::from_batch(b).unwrap())
-        .collect();
+    let policy: Vec<PolicyRow> = rows_in(&drained, "policy");
     assert_eq!(policy.len(), 1);
     assert_eq!(policy[0].version, 1);
     let path = streamrl_stages::uri_path(&policy[0].uri);
@@ -690,27 +694,19 @@ async fn trainer_steps_per_batch_publishes_versions_and_resumes_without_repeatin
         streamrl_model::checkpoint::weights_sha256(&path).unwrap(),
         policy[0].sha256
     );
-    let m: Vec<streamrl_schemas::MetricRow> = drained
-        .iter()
-        .filter(|(t, _)| t == "metrics")
-        .flat_map(|(_, b)| streamrl_schemas::MetricRow::from_batch(b).unwrap())
-        .collect();
+    let m: Vec<streamrl_schemas::MetricRow> = rows_in(&drained, "metrics");
     assert_eq!(metric(&m, "samples_trained"), 4.0);
     assert_eq!(metric(&m, "samples_duplicate"), 2.0);
     assert!(metric(&m, "grad_norm") > 0.0);
 
     // Step 2: one group is too old (version 0 < 2 − 1), one is fresh.
     let mut out = Emitter::default();
-    let old: Vec<SampleRow> = (0..2).map(|i| sample("g3", i, i as f32, i as f32 - 0.5, 0)).collect();
-    let fresh: Vec<SampleRow> = (0..2).map(|i| sample("g4", i, i as f32, i as f32 - 0.5, 1)).collect();
+    let old = pair("g3", 0);
+    let fresh = pair("g4", 1);
     t.process(input("samples", &old), &mut out).await.unwrap();
     t.process(input("samples", &fresh), &mut out).await.unwrap();
     let drained = out.drain();
-    let m: Vec<streamrl_schemas::MetricRow> = drained
-        .iter()
-        .filter(|(t, _)| t == "metrics")
-        .flat_map(|(_, b)| streamrl_schemas::MetricRow::from_batch(b).unwrap())
-        .collect();
+    let m: Vec<streamrl_schemas::MetricRow> = rows_in(&drained, "metrics");
     assert_eq!(
         metric(&m, "samples_dropped_stale"),
         0.0,
@@ -725,16 +721,11 @@ async fn trainer_steps_per_batch_publishes_versions_and_resumes_without_repeatin
     again.process(input("samples", &g1), &mut out).await.unwrap();
     again.process(input("samples", &fresh), &mut out).await.unwrap();
     assert!(out.drain().is_empty(), "consumed samples were trained again");
-    let stale: Vec<SampleRow> = (0..2).map(|i| sample("g5", i, i as f32, i as f32 - 0.5, 0)).collect();
-    let g6: Vec<SampleRow> = (0..2).map(|i| sample("g6", i, i as f32, i as f32 - 0.5, 2)).collect();
+    let stale = pair("g5", 0);
+    let g6 = pair("g6", 2);
     again.process(input("samples", &stale), &mut out).await.unwrap();
     again.process(input("samples", &g6), &mut out).await.unwrap();
-    let m: Vec<streamrl_schemas::MetricRow> = out
-        .drain()
-        .iter()
-        .filter(|(t, _)| t == "metrics")
-        .flat_map(|(_, b)| streamrl_schemas::MetricRow::from_batch(b).unwrap())
-        .collect();
+    let m: Vec<streamrl_schemas::MetricRow> = batches(&mut out, "metrics");
     assert_eq!(
         metric(&m, "samples_dropped_stale"),
         2.0,
@@ -818,7 +809,7 @@ async fn restarted_trainer_on_a_durable_bus_publishes_each_version_and_its_linea
     let mut out = Emitter::default();
     t.start(&mut out).await.unwrap();
     for g in ["g1", "g2"] {
-        let rows: Vec<SampleRow> = (0..2).map(|i| sample(g, i, i as f32, i as f32 - 0.5, 0)).collect();
+        let rows = pair(g, 0);
         t.process(input("samples", &rows), &mut out).await.unwrap();
     }
     assert_eq!(t.version(), 1);
