@@ -575,48 +575,59 @@ impl Topology {
 
     /// A Mermaid flowchart of stages and topics.
     pub fn to_mermaid(&self) -> String {
-        let mut s = String::from("flowchart LR\n");
-        for (n, t) in &self.topics {
-            s.push_str(&format!("  t_{n}[(\"{n}<br/>{} × {}\")]\n", t.schema, t.partitions));
-        }
-        for (n, st) in &self.stages {
-            s.push_str(&format!("  s_{n}[\"{n} ({}) × {}\"]\n", st.kind, st.replicas));
-            for (t, edge) in self.edges_of(st) {
-                s.push_str(&match edge {
-                    Edge::Input => format!("  t_{t} --> s_{n}\n"),
-                    Edge::Broadcast => format!("  t_{t} -. broadcast .-> s_{n}\n"),
-                    Edge::Output => format!("  s_{n} --> t_{t}\n"),
-                    Edge::Feedback => format!("  s_{n} -. feedback .-> t_{t}\n"),
-                });
-            }
-        }
-        s
+        self.draw(&Notation {
+            head: "flowchart LR\n",
+            topic: |n, t| format!("  t_{n}[(\"{n}<br/>{} × {}\")]\n", t.schema, t.partitions),
+            stage: |n, st| format!("  s_{n}[\"{n} ({}) × {}\"]\n", st.kind, st.replicas),
+            edge: |n, t, edge| match edge {
+                Edge::Input => format!("  t_{t} --> s_{n}\n"),
+                Edge::Broadcast => format!("  t_{t} -. broadcast .-> s_{n}\n"),
+                Edge::Output => format!("  s_{n} --> t_{t}\n"),
+                Edge::Feedback => format!("  s_{n} -. feedback .-> t_{t}\n"),
+            },
+            tail: "",
+        })
     }
 
     /// A Graphviz DOT graph of stages and topics.
     pub fn to_dot(&self) -> String {
-        let mut s = String::from("digraph streamrl {\n  rankdir=LR;\n");
+        self.draw(&Notation {
+            head: "digraph streamrl {\n  rankdir=LR;\n",
+            topic: |n, t| {
+                format!(
+                    "  \"t:{n}\" [shape=cylinder,label=\"{n}\\n{} × {}\"];\n",
+                    t.schema, t.partitions
+                )
+            },
+            stage: |n, st| {
+                format!(
+                    "  \"s:{n}\" [shape=box,label=\"{n} ({}) × {}\"];\n",
+                    st.kind, st.replicas
+                )
+            },
+            edge: |n, t, edge| match edge {
+                Edge::Input => format!("  \"t:{t}\" -> \"s:{n}\";\n"),
+                Edge::Broadcast => format!("  \"t:{t}\" -> \"s:{n}\" [style=dashed,label=broadcast];\n"),
+                Edge::Output => format!("  \"s:{n}\" -> \"t:{t}\";\n"),
+                Edge::Feedback => format!("  \"s:{n}\" -> \"t:{t}\" [style=dashed,label=feedback];\n"),
+            },
+            tail: "}\n",
+        })
+    }
+
+    /// The graph in `notation`: every topic node, then each stage's node followed by its edges.
+    fn draw(&self, notation: &Notation) -> String {
+        let mut s = String::from(notation.head);
         for (n, t) in &self.topics {
-            s.push_str(&format!(
-                "  \"t:{n}\" [shape=cylinder,label=\"{n}\\n{} × {}\"];\n",
-                t.schema, t.partitions
-            ));
+            s.push_str(&(notation.topic)(n, t));
         }
         for (n, st) in &self.stages {
-            s.push_str(&format!(
-                "  \"s:{n}\" [shape=box,label=\"{n} ({}) × {}\"];\n",
-                st.kind, st.replicas
-            ));
+            s.push_str(&(notation.stage)(n, st));
             for (t, edge) in self.edges_of(st) {
-                s.push_str(&match edge {
-                    Edge::Input => format!("  \"t:{t}\" -> \"s:{n}\";\n"),
-                    Edge::Broadcast => format!("  \"t:{t}\" -> \"s:{n}\" [style=dashed,label=broadcast];\n"),
-                    Edge::Output => format!("  \"s:{n}\" -> \"t:{t}\";\n"),
-                    Edge::Feedback => format!("  \"s:{n}\" -> \"t:{t}\" [style=dashed,label=feedback];\n"),
-                });
+                s.push_str(&(notation.edge)(n, t, edge));
             }
         }
-        s.push_str("}\n");
+        s.push_str(notation.tail);
         s
     }
 
@@ -631,6 +642,20 @@ impl Topology {
         });
         inputs.chain(broadcast).chain(outputs)
     }
+}
+
+/// How one graph language writes a [`Topology`]: its lines, each ending in a newline.
+struct Notation {
+    /// Before the nodes.
+    head: &'static str,
+    /// A topic's node, from its name and declaration.
+    topic: fn(&str, &TopicDecl) -> String,
+    /// A stage's node, from its name and declaration.
+    stage: fn(&str, &StageDecl) -> String,
+    /// An edge between the stage and the topic named, of the kind given.
+    edge: fn(&str, &str, Edge) -> String,
+    /// After the edges.
+    tail: &'static str,
 }
 
 /// An edge of the stage graph, as [`Topology::to_mermaid`] and [`Topology::to_dot`] draw it.
