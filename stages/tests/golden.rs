@@ -7,7 +7,6 @@ use std::path::Path;
 
 use arrow::record_batch::RecordBatch;
 use arrow::util::pretty::pretty_format_batches;
-
 use streamrl_runtime::{Emitter, Input, Stage};
 use streamrl_schemas::{ExecutedRow, RolloutRow, SampleRow, SchemaId, ScoredRow, TopicRow};
 use streamrl_stages::build_envs;
