@@ -58,9 +58,10 @@ async fn bad_url_parameters_are_named() {
         ("idempotence=maybe", "`idempotence=maybe` is not true or false"),
         ("static_membership=1", "`static_membership=1` is not true or false"),
         ("session_timeout_ms=soon", "`session_timeout_ms=soon` is not a number"),
+        ("fetch_wait_ms=-1", "`fetch_wait_ms=-1` is not a number"),
         (
             "acks=1",
-            "unknown parameter `acks` (known: queue_kbytes, session_timeout_ms, max_message_bytes, static_membership, idempotence)",
+            "unknown parameter `acks` (known: queue_kbytes, session_timeout_ms, max_message_bytes, static_membership, idempotence, fetch_wait_ms)",
         ),
     ] {
         let url = format!("{base}?{param}");

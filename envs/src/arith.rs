@@ -207,12 +207,7 @@ impl Arith {
                 ));
             }
         }
-        if cfg.eval_every < 2 {
-            errs.push(Invalid::new(
-                "eval_every",
-                format!("{} must be at least 2", cfg.eval_every),
-            ));
-        }
+        errs.extend(crate::dataset::check_eval_every(cfg.eval_every));
         if !(0.0..=10.0).contains(&cfg.partial_credit) {
             errs.push(Invalid::new(
                 "partial_credit",
@@ -222,24 +217,17 @@ impl Arith {
         if !errs.is_empty() {
             return Err(errs);
         }
-        let mut rubric = Rubric::new().with("exact_match", 1.0, |i| {
-            let want = i.problem.answer.as_deref().ok_or("problem has no answer")?;
-            Ok(match i.parsed {
-                Some(got) if got == want => (1.0, format!("{got} == {want}")),
-                Some(got) => (0.0, format!("{got} != {want}")),
-                None => (0.0, "no answer found".into()),
-            })
+        let mut rubric = Rubric::new().with_answer("exact_match", 1.0, "no answer found", |got, want| {
+            if got == want {
+                (1.0, format!("{got} == {want}"))
+            } else {
+                (0.0, format!("{got} != {want}"))
+            }
         });
         if cfg.partial_credit > 0.0 {
-            rubric = rubric.with("digits", cfg.partial_credit, |i| {
-                let want = i.problem.answer.as_deref().ok_or("problem has no answer")?;
-                Ok(match i.parsed {
-                    Some(got) => {
-                        let v = digit_credit(got, want);
-                        (v, format!("{:.0}% of the digits of {want}", v * 100.0))
-                    }
-                    None => (0.0, "no answer found".into()),
-                })
+            rubric = rubric.with_answer("digits", cfg.partial_credit, "no answer found", |got, want| {
+                let v = digit_credit(got, want);
+                (v, format!("{:.0}% of the digits of {want}", v * 100.0))
             });
         }
         Ok(Arith { cfg, rubric })

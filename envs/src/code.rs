@@ -95,10 +95,7 @@ impl Code {
     /// Loads the dataset; every problem with the config or the file is reported.
     pub fn new(cfg: CodeConfig) -> Result<Self, Vec<Invalid>> {
         let (rows, mut errs) =
-            match crate::dataset::load_as::<Row>(cfg.dataset.as_deref(), include_str!("../fixtures/code.jsonl")) {
-                Ok(rows) => (rows, Vec::new()),
-                Err(e) => (Vec::new(), e.into_iter().map(|e| Invalid::new("dataset", e)).collect()),
-            };
+            crate::dataset::rows::<Row>(cfg.dataset.as_deref(), include_str!("../fixtures/code.jsonl"));
         let mut all = Vec::new();
         for (n, r) in rows {
             if r.tests.is_empty() {
@@ -113,12 +110,6 @@ impl Code {
                 info: serde_json::json!({"signature": r.signature, "tests": r.tests}),
             });
         }
-        if cfg.eval_every < 2 {
-            errs.push(Invalid::new(
-                "eval_every",
-                format!("{} must be at least 2", cfg.eval_every),
-            ));
-        }
         if cfg.test_timeout_secs == 0 || cfg.wall_ms == 0 {
             errs.push(Invalid::new(
                 if cfg.test_timeout_secs == 0 {
@@ -129,16 +120,7 @@ impl Code {
                 "must be positive",
             ));
         }
-        if errs.is_empty() && all.len() < 2 {
-            errs.push(Invalid::new(
-                "dataset",
-                format!("has {} problems; need at least 2", all.len()),
-            ));
-        }
-        if !errs.is_empty() {
-            return Err(errs);
-        }
-        let splits = crate::dataset::Splits::new(all, cfg.eval_every);
+        let splits = crate::dataset::Splits::checked(all, cfg.eval_every, errs)?;
         let rubric = Rubric::new().with("tests", 1.0, |i| {
             let e = i.exec.ok_or("no sandbox result for this sample")?;
             match e.status.as_str() {

@@ -4,6 +4,8 @@
 
 use std::path::Path;
 
+use crate::Invalid;
+
 /// A finite dataset's problems, split into train and eval: every `eval_every`-th problem
 /// (by position) is held out.
 #[derive(Debug, Clone)]
@@ -48,6 +50,38 @@ impl Splits {
     /// Every problem of `split`.
     pub fn problems(&self, split: crate::Split) -> &[crate::Problem] {
         self.pool(split)
+    }
+
+    /// The splits of a dataset's problems, once its config and rows were checked: `errs`
+    /// (the problems found so far) with those of `eval_every` and, when there is no other,
+    /// of a dataset with fewer than two problems; or the splits when there is none.
+    pub fn checked(all: Vec<crate::Problem>, eval_every: usize, mut errs: Vec<Invalid>) -> Result<Self, Vec<Invalid>> {
+        errs.extend(check_eval_every(eval_every as u64));
+        if errs.is_empty() && all.len() < 2 {
+            errs.push(Invalid::new(
+                "dataset",
+                format!("has {} problems; need at least 2", all.len()),
+            ));
+        }
+        if errs.is_empty() {
+            Ok(Splits::new(all, eval_every))
+        } else {
+            Err(errs)
+        }
+    }
+}
+
+/// The problem with an `eval_every` (one problem in this many held out) below 2, if any.
+pub fn check_eval_every(eval_every: u64) -> Option<Invalid> {
+    (eval_every < 2).then(|| Invalid::new("eval_every", format!("{eval_every} must be at least 2")))
+}
+
+/// [`load_as`] with its problems under the config key `dataset`: the rows (none when any
+/// line is bad) and the problems.
+pub fn rows<T: serde::de::DeserializeOwned>(path: Option<&str>, fixture: &str) -> (Vec<(usize, T)>, Vec<Invalid>) {
+    match load_as::<T>(path, fixture) {
+        Ok(rows) => (rows, Vec::new()),
+        Err(e) => (Vec::new(), e.into_iter().map(|e| Invalid::new("dataset", e)).collect()),
     }
 }
 

@@ -57,11 +57,7 @@ pub struct Math {
 impl Math {
     /// Loads the dataset; every problem with the config or the file is reported.
     pub fn new(cfg: MathConfig) -> Result<Self, Vec<Invalid>> {
-        let (rows, mut errs) =
-            match crate::dataset::load_as::<Row>(cfg.dataset.as_deref(), include_str!("../fixtures/math.jsonl")) {
-                Ok(rows) => (rows, Vec::new()),
-                Err(e) => (Vec::new(), e.into_iter().map(|e| Invalid::new("dataset", e)).collect()),
-            };
+        let (rows, errs) = crate::dataset::rows::<Row>(cfg.dataset.as_deref(), include_str!("../fixtures/math.jsonl"));
         let all: Vec<Problem> = rows
             .into_iter()
             .map(|(n, r)| Problem {
@@ -72,30 +68,14 @@ impl Math {
                 info: serde_json::Value::Null,
             })
             .collect();
-        if cfg.eval_every < 2 {
-            errs.push(Invalid::new(
-                "eval_every",
-                format!("{} must be at least 2", cfg.eval_every),
-            ));
-        }
-        if errs.is_empty() && all.len() < 2 {
-            errs.push(Invalid::new(
-                "dataset",
-                format!("has {} problems; need at least 2", all.len()),
-            ));
-        }
-        if !errs.is_empty() {
-            return Err(errs);
-        }
-        let splits = crate::dataset::Splits::new(all, cfg.eval_every);
+        let splits = crate::dataset::Splits::checked(all, cfg.eval_every, errs)?;
         let tol = cfg.tolerance;
-        let mut rubric = Rubric::new().with("correct", 1.0, move |i| {
-            let want = i.problem.answer.as_deref().ok_or("problem has no answer")?;
-            Ok(match i.parsed {
-                Some(got) if crate::equiv::equivalent(got, want, tol) => (1.0, format!("{got} ≡ {want}")),
-                Some(got) => (0.0, format!("{got} ≢ {want}")),
-                None => (0.0, "no answer found".into()),
-            })
+        let mut rubric = Rubric::new().with_answer("correct", 1.0, "no answer found", move |got, want| {
+            if crate::equiv::equivalent(got, want, tol) {
+                (1.0, format!("{got} ≡ {want}"))
+            } else {
+                (0.0, format!("{got} ≢ {want}"))
+            }
         });
         if cfg.format_weight > 0.0 {
             rubric = rubric.with("boxed_format", cfg.format_weight, |i| {

@@ -100,6 +100,25 @@ impl Rubric {
         self
     }
 
+    /// Adds a reward function of the parsed answer against the problem's reference answer:
+    /// `f(got, want)` when an answer was parsed, 0 with the reason `missing` when none was,
+    /// and an error for a problem without a reference answer.
+    pub fn with_answer(
+        self,
+        name: &str,
+        weight: f32,
+        missing: &'static str,
+        f: impl Fn(&str, &str) -> (f32, String) + Send + Sync + 'static,
+    ) -> Self {
+        self.with(name, weight, move |i| {
+            let want = i.problem.answer.as_deref().ok_or("problem has no answer")?;
+            Ok(match i.parsed {
+                Some(got) => f(got, want),
+                None => (0.0, missing.into()),
+            })
+        })
+    }
+
     /// The functions, in order.
     pub fn functions(&self) -> &[RewardFn] {
         &self.fns

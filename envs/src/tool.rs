@@ -124,12 +124,7 @@ impl Tool {
                 format!("{} must be at least 2 (a call and an answer)", cfg.max_turns),
             ));
         }
-        if cfg.eval_every < 2 {
-            errs.push(Invalid::new(
-                "eval_every",
-                format!("{} must be at least 2", cfg.eval_every),
-            ));
-        }
+        errs.extend(crate::dataset::check_eval_every(cfg.eval_every));
         if !errs.is_empty() {
             return Err(errs);
         }
@@ -144,14 +139,14 @@ impl Tool {
             wall_ms: 5000,
         };
         let p2 = protocol.clone();
-        let mut rubric = Rubric::new().with("correct", 1.0, move |i| {
-            let want = i.problem.answer.as_deref().ok_or("problem has no answer")?;
-            Ok(match i.parsed {
-                Some(got) if got == want => (1.0, format!("{got} = {want}")),
-                Some(got) => (0.0, format!("{got} ≠ {want}")),
-                None => (0.0, "no <answer> after the last tool output".into()),
-            })
-        });
+        let mut rubric =
+            Rubric::new().with_answer("correct", 1.0, "no <answer> after the last tool output", |got, want| {
+                if got == want {
+                    (1.0, format!("{got} = {want}"))
+                } else {
+                    (0.0, format!("{got} ≠ {want}"))
+                }
+            });
         if cfg.tool_use_weight > 0.0 {
             rubric = rubric.with("used_tool", cfg.tool_use_weight, move |i| {
                 Ok(if i.completion.contains(&p2.output_start) {

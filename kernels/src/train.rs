@@ -9,7 +9,8 @@
 //! // log_softmax(logits[0])[tokens[1]] for one row of two positions over a vocabulary of 2.
 //! let logits = [0.0, 0.0, 5.0, 5.0];
 //! let mut out = [9.0; 2];
-//! train::logprobs_forward(&logits, &[0, 1], 1, 2, 2, 1.0, &mut out);
+//! let x = train::TokenLogits { logits: &logits, tokens: &[0, 1], batch: 1, seq: 2, vocab: 2, temp: 1.0 };
+//! train::logprobs_forward(x, &mut out);
 //! assert_eq!(out[0], 0.0);
 //! assert!((out[1] - 0.5f32.ln()).abs() < 1e-6);
 //! ```
@@ -351,65 +352,67 @@ pub fn attention_backward(
     }
 }
 
-/// Per-token logprobs of `tokens` `(batch, seq)` under `logits` `(batch, seq, vocab)` at
-/// temperature `temp`: `out[b, i] = log_softmax(logits[b, i − 1] / temp)[tokens[b, i]]`
-/// for `i ≥ 1`, and `out[b, 0] = 0`.
+/// Logits rows and the tokens they score: `logits` `(batch, seq, vocab)`, `tokens`
+/// `(batch, seq)`, read at temperature `temp`. Position `i`'s token is scored by the row
+/// before it.
+#[derive(Debug, Clone, Copy)]
+pub struct TokenLogits<'a> {
+    /// `(batch, seq, vocab)`, row-major.
+    pub logits: &'a [f32],
+    /// `(batch, seq)`.
+    pub tokens: &'a [u32],
+    /// Rows.
+    pub batch: usize,
+    /// Positions per row.
+    pub seq: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Sampling temperature.
+    pub temp: f32,
+}
+
+impl<'a> TokenLogits<'a> {
+    /// The fields in declaration order, for a kernel's body.
+    #[inline(always)]
+    fn parts(self) -> (&'a [f32], &'a [u32], usize, usize, usize, f32) {
+        (self.logits, self.tokens, self.batch, self.seq, self.vocab, self.temp)
+    }
+}
+
+/// Per-token logprobs of `x.tokens` under `x.logits` at `x.temp`:
+/// `out[b, i] = log_softmax(logits[b, i − 1] / temp)[tokens[b, i]]` for `i ≥ 1`, and
+/// `out[b, 0] = 0`.
 ///
 /// # Panics
 /// When a token is outside the vocabulary or a slice is the wrong length.
-pub fn logprobs_forward(
-    logits: &[f32],
-    tokens: &[u32],
-    batch: usize,
-    seq: usize,
-    vocab: usize,
-    temp: f32,
-    out: &mut [f32],
-) {
+pub fn logprobs_forward(x: TokenLogits, out: &mut [f32]) {
     cpu::vectorized(
         #[inline(always)]
-        || logprobs_forward_rows(logits, tokens, batch, seq, vocab, temp, out, None),
+        || logprobs_forward_rows(x, out, None),
     )
 }
 
 /// [`logprobs_forward`] that also writes the entropy (nats) of every next-token
 /// distribution at `temp`, aligned the same way (`entropy[b, 0] = 0`), in the same pass
 /// over the logits: `H = ln Σ e^(z − max) − Σ e^(z − max)(z − max) / Σ e^(z − max)`.
-#[allow(clippy::too_many_arguments)]
-pub fn logprobs_entropy_forward(
-    logits: &[f32],
-    tokens: &[u32],
-    batch: usize,
-    seq: usize,
-    vocab: usize,
-    temp: f32,
-    out: &mut [f32],
-    entropy: &mut [f32],
-) {
+pub fn logprobs_entropy_forward(x: TokenLogits, out: &mut [f32], entropy: &mut [f32]) {
     assert_eq!(
         entropy.len(),
-        batch * seq,
-        "entropy: {} values for {batch}×{seq}",
-        entropy.len()
+        x.batch * x.seq,
+        "entropy: {} values for {}×{}",
+        entropy.len(),
+        x.batch,
+        x.seq
     );
     cpu::vectorized(
         #[inline(always)]
-        || logprobs_forward_rows(logits, tokens, batch, seq, vocab, temp, out, Some(entropy)),
+        || logprobs_forward_rows(x, out, Some(entropy)),
     )
 }
 
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn logprobs_forward_rows(
-    logits: &[f32],
-    tokens: &[u32],
-    batch: usize,
-    seq: usize,
-    vocab: usize,
-    temp: f32,
-    out: &mut [f32],
-    mut entropy: Option<&mut [f32]>,
-) {
+fn logprobs_forward_rows(x: TokenLogits, out: &mut [f32], mut entropy: Option<&mut [f32]>) {
+    let (logits, tokens, batch, seq, vocab, temp) = x.parts();
     assert!(
         logits.len() == batch * seq * vocab && tokens.len() == batch * seq && out.len() == batch * seq,
         "logprobs: logits {}, tokens {}, out {} for {batch}×{seq}×{vocab}",
@@ -443,35 +446,16 @@ fn logprobs_forward_rows(
 
 /// Backward of [`logprobs_forward`]: `dlogits[b, i − 1] = g[b, i] / temp · (onehot(tok) −
 /// softmax(logits[b, i − 1] / temp))`; the last position of each row gets zero.
-#[allow(clippy::too_many_arguments)]
-pub fn logprobs_backward(
-    logits: &[f32],
-    tokens: &[u32],
-    batch: usize,
-    seq: usize,
-    vocab: usize,
-    temp: f32,
-    g: &[f32],
-    dlogits: &mut [f32],
-) {
+pub fn logprobs_backward(x: TokenLogits, g: &[f32], dlogits: &mut [f32]) {
     cpu::vectorized(
         #[inline(always)]
-        || logprobs_backward_rows(logits, tokens, batch, seq, vocab, temp, g, dlogits),
+        || logprobs_backward_rows(x, g, dlogits),
     )
 }
 
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn logprobs_backward_rows(
-    logits: &[f32],
-    tokens: &[u32],
-    batch: usize,
-    seq: usize,
-    vocab: usize,
-    temp: f32,
-    g: &[f32],
-    dlogits: &mut [f32],
-) {
+fn logprobs_backward_rows(x: TokenLogits, g: &[f32], dlogits: &mut [f32]) {
+    let (logits, tokens, batch, seq, vocab, temp) = x.parts();
     assert!(
         logits.len() == batch * seq * vocab && dlogits.len() == logits.len() && g.len() == batch * seq,
         "logprobs backward: logits {}, g {}, dlogits {} for {batch}×{seq}×{vocab}",
@@ -631,6 +615,24 @@ pub fn sum_sq_f64(x: &[f32]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn rows<'a>(
+        logits: &'a [f32],
+        tokens: &'a [u32],
+        batch: usize,
+        seq: usize,
+        vocab: usize,
+        temp: f32,
+    ) -> TokenLogits<'a> {
+        TokenLogits {
+            logits,
+            tokens,
+            batch,
+            seq,
+            vocab,
+            temp,
+        }
+    }
 
     fn data(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
@@ -802,11 +804,11 @@ mod tests {
         let temp = 0.7;
         let loss = |l: &[f32]| -> f64 {
             let mut out = vec![0f32; b * t];
-            logprobs_forward(l, &tokens, b, t, vocab, temp, &mut out);
+            logprobs_forward(rows(l, &tokens, b, t, vocab, temp), &mut out);
             out.iter().zip(&g).map(|(a, b)| (a * b) as f64).sum()
         };
         let mut d = vec![9f32; logits.len()];
-        logprobs_backward(&logits, &tokens, b, t, vocab, temp, &g, &mut d);
+        logprobs_backward(rows(&logits, &tokens, b, t, vocab, temp), &g, &mut d);
         check_grad(&mut logits, &d, loss, 2e-2);
     }
 
@@ -855,7 +857,7 @@ mod tests {
     #[should_panic(expected = "token 7 outside the vocabulary of 5")]
     fn logprobs_refuse_a_token_outside_the_vocabulary() {
         let mut out = [0f32; 2];
-        logprobs_forward(&[0.0; 10], &[0, 7], 1, 2, 5, 1.0, &mut out);
+        logprobs_forward(rows(&[0.0; 10], &[0, 7], 1, 2, 5, 1.0), &mut out);
     }
 
     /// Equal to the bit, or a panic naming the first element that differs.
@@ -1046,7 +1048,7 @@ mod tests {
         let logits = data(3 * vocab, 21);
         let tokens = [0u32, 5, 36];
         let mut out = [0f32; 3];
-        logprobs_forward(&logits, &tokens, 1, 3, vocab, 0.7, &mut out);
+        logprobs_forward(rows(&logits, &tokens, 1, 3, vocab, 0.7), &mut out);
         for i in 1..3 {
             let row = &logits[(i - 1) * vocab..i * vocab];
             let (max, lse) = log_softmax_terms(row, 0.7);

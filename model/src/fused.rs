@@ -63,45 +63,132 @@ fn tensor(v: Vec<f32>, shape: &Shape) -> CResult<Tensor> {
     Tensor::from_vec(v, shape, &Device::Cpu)
 }
 
+/// A fused op over two contiguous f32 CPU inputs, given to candle as a [`CustomOp2`] by
+/// [`Op`], which takes the inputs out of candle's storages and makes tensors of the
+/// gradients.
+trait Fused2: Send + Sync {
+    /// The op's name in candle's graph.
+    const NAME: &'static str;
+    /// The inputs, as errors name them.
+    const INPUTS: [&'static str; 2];
+    /// The output and its shape.
+    fn forward(&self, x: [&[f32]; 2], l: [&Layout; 2]) -> CResult<(Vec<f32>, Shape)>;
+    /// The inputs' gradients, each the size of its input, from the output's gradient `g`.
+    fn backward(&self, x: [&[f32]; 2], dims: [&[usize]; 2], g: &[f32]) -> CResult<[Vec<f32>; 2]>;
+}
+
+/// [`Fused2`] with three inputs, for a [`CustomOp3`].
+trait Fused3: Send + Sync {
+    /// The op's name in candle's graph.
+    const NAME: &'static str;
+    /// The inputs, as errors name them.
+    const INPUTS: [&'static str; 3];
+    /// The output and its shape.
+    fn forward(&self, x: [&[f32]; 3], l: [&Layout; 3]) -> CResult<(Vec<f32>, Shape)>;
+    /// The inputs' gradients, each the size of its input, from the output's gradient `g`.
+    fn backward(&self, x: [&[f32]; 3], dims: [&[usize]; 3], g: &[f32]) -> CResult<[Vec<f32>; 3]>;
+}
+
+/// A [`Fused2`] or [`Fused3`] as a candle op.
+struct Op<T>(T);
+
+impl<T: Fused2> CustomOp2 for Op<T> {
+    fn name(&self) -> &'static str {
+        T::NAME
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let [n1, n2] = T::INPUTS;
+        let (y, shape) = self.0.forward([slice(s1, l1, n1)?, slice(s2, l2, n2)?], [l1, l2])?;
+        Ok((CpuStorage::F32(y), shape))
+    }
+
+    fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let g = g.contiguous()?;
+        let [n1, n2] = T::INPUTS;
+        let [da, db] = with(a, n1, |xa| {
+            with(b, n2, |xb| {
+                with(&g, T::NAME, |gs| self.0.backward([xa, xb], [a.dims(), b.dims()], gs))
+            })
+        })?;
+        Ok((Some(tensor(da, a.shape())?), Some(tensor(db, b.shape())?)))
+    }
+}
+
+impl<T: Fused3> CustomOp3 for Op<T> {
+    fn name(&self) -> &'static str {
+        T::NAME
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let [n1, n2, n3] = T::INPUTS;
+        let x = [slice(s1, l1, n1)?, slice(s2, l2, n2)?, slice(s3, l3, n3)?];
+        let (y, shape) = self.0.forward(x, [l1, l2, l3])?;
+        Ok((CpuStorage::F32(y), shape))
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let g = g.contiguous()?;
+        let [n1, n2, n3] = T::INPUTS;
+        let dims = [a.dims(), b.dims(), c.dims()];
+        let [da, db, dc] = with(a, n1, |xa| {
+            with(b, n2, |xb| {
+                with(c, n3, |xc| {
+                    with(&g, T::NAME, |gs| self.0.backward([xa, xb, xc], dims, gs))
+                })
+            })
+        })?;
+        Ok((
+            Some(tensor(da, a.shape())?),
+            Some(tensor(db, b.shape())?),
+            Some(tensor(dc, c.shape())?),
+        ))
+    }
+}
+
 /// RMSNorm of every consecutive group of `w.len()` values (the last dimension, or the heads
 /// packed in it): `x / sqrt(mean(x²) + eps) · w`.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
     x.contiguous()?
-        .apply_op2(&w.contiguous()?, RmsNormOp { eps: eps as f32 })
+        .apply_op2(&w.contiguous()?, Op(RmsNorm { eps: eps as f32 }))
 }
 
-struct RmsNormOp {
+struct RmsNorm {
     eps: f32,
 }
 
-impl CustomOp2 for RmsNormOp {
-    fn name(&self) -> &'static str {
-        "fused-rms-norm"
-    }
+impl Fused2 for RmsNorm {
+    const NAME: &'static str = "fused-rms-norm";
+    const INPUTS: [&'static str; 2] = ["rms_norm x", "rms_norm weight"];
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let (x, w) = (slice(s1, l1, "rms_norm x")?, slice(s2, l2, "rms_norm weight")?);
+    fn forward(&self, [x, w]: [&[f32]; 2], [l1, _]: [&Layout; 2]) -> CResult<(Vec<f32>, Shape)> {
         if w.is_empty() || l1.dims().last().is_none_or(|d| d % w.len() != 0) {
             candle_core::bail!("rms_norm: input {:?} against a weight of {}", l1.dims(), w.len())
         }
         let mut out = x.to_vec();
         cpu::rms_norm_rows_in_place(&mut out, w, self.eps);
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+        Ok((out, l1.shape().clone()))
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let g = g.contiguous()?;
-        let mut dx = vec![0f32; x.elem_count()];
-        let mut dw = vec![0f32; w.elem_count()];
-        with(x, "rms_norm x", |xs| {
-            with(w, "rms_norm weight", |ws| {
-                with(&g, "rms_norm grad", |gs| {
-                    train::rms_norm_backward(xs, ws, self.eps, gs, &mut dx, &mut dw);
-                    Ok(())
-                })
-            })
-        })?;
-        Ok((Some(tensor(dx, x.shape())?), Some(tensor(dw, w.shape())?)))
+    fn backward(&self, [x, w]: [&[f32]; 2], _: [&[usize]; 2], g: &[f32]) -> CResult<[Vec<f32>; 2]> {
+        let (mut dx, mut dw) = (vec![0f32; x.len()], vec![0f32; w.len()]);
+        train::rms_norm_backward(x, w, self.eps, g, &mut dx, &mut dw);
+        Ok([dx, dw])
     }
 }
 
@@ -111,7 +198,7 @@ impl CustomOp2 for RmsNormOp {
 pub fn linear(x: &Tensor, w: &Tensor) -> CResult<Tensor> {
     // One graph node, whatever the rank: candle's backward pays a zero-filled buffer and an
     // addition for every node a gradient passes through, reshapes included.
-    x.contiguous()?.apply_op2(&w.contiguous()?, LinearOp)
+    x.contiguous()?.apply_op2(&w.contiguous()?, Op(Linear))
 }
 
 /// The shape of `x @ wᵀ` for `x` `(…, inp)` and a weight `(out, inp)`.
@@ -142,40 +229,32 @@ impl Product {
     }
 }
 
-struct LinearOp;
+struct Linear;
 
-impl CustomOp2 for LinearOp {
-    fn name(&self) -> &'static str {
-        "fused-linear"
-    }
+impl Fused2 for Linear {
+    const NAME: &'static str = "fused-linear";
+    const INPUTS: [&'static str; 2] = ["linear x", "linear weight"];
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let (x, w) = (slice(s1, l1, "linear x")?, slice(s2, l2, "linear weight")?);
+    fn forward(&self, [x, w]: [&[f32]; 2], [l1, l2]: [&Layout; 2]) -> CResult<(Vec<f32>, Shape)> {
         let p = Product::of("linear", l1, l2)?;
         let y = cpu::gemm_new(
             cpu::View::rows(x, p.rows, p.inp),
             cpu::View::rows(w, p.out, p.inp).t(),
             1.0,
         );
-        Ok((CpuStorage::F32(y), p.shape))
+        Ok((y, p.shape))
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let (out, inp) = w.dims2()?;
-        let rows = x.elem_count() / inp.max(1);
-        let g = g.contiguous()?;
-        let (dx, dw) = with(x, "linear x", |xs| {
-            with(w, "linear weight", |ws| {
-                with(&g, "linear grad", |gs| {
-                    let gv = cpu::View::rows(gs, rows, out);
-                    Ok((
-                        cpu::gemm_new(gv, cpu::View::rows(ws, out, inp), 1.0),
-                        cpu::gemm_new(gv.t(), cpu::View::rows(xs, rows, inp), 1.0),
-                    ))
-                })
-            })
-        })?;
-        Ok((Some(tensor(dx, x.shape())?), Some(tensor(dw, w.shape())?)))
+    fn backward(&self, [x, w]: [&[f32]; 2], [_, wd]: [&[usize]; 2], g: &[f32]) -> CResult<[Vec<f32>; 2]> {
+        let &[out, inp] = wd else {
+            candle_core::bail!("linear: the weight {wd:?} must be a matrix")
+        };
+        let rows = x.len() / inp.max(1);
+        let gv = cpu::View::rows(g, rows, out);
+        Ok([
+            cpu::gemm_new(gv, cpu::View::rows(w, out, inp), 1.0),
+            cpu::gemm_new(gv.t(), cpu::View::rows(x, rows, inp), 1.0),
+        ])
     }
 }
 
@@ -183,30 +262,16 @@ impl CustomOp2 for LinearOp {
 /// graph node instead of two.
 pub fn linear_residual(x: &Tensor, w: &Tensor, residual: &Tensor) -> CResult<Tensor> {
     x.contiguous()?
-        .apply_op3(&w.contiguous()?, &residual.contiguous()?, LinearResidualOp)
+        .apply_op3(&w.contiguous()?, &residual.contiguous()?, Op(LinearResidual))
 }
 
-struct LinearResidualOp;
+struct LinearResidual;
 
-impl CustomOp3 for LinearResidualOp {
-    fn name(&self) -> &'static str {
-        "fused-linear-residual"
-    }
+impl Fused3 for LinearResidual {
+    const NAME: &'static str = "fused-linear-residual";
+    const INPUTS: [&'static str; 3] = ["linear x", "linear weight", "residual"];
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        let (x, w, r) = (
-            slice(s1, l1, "linear x")?,
-            slice(s2, l2, "linear weight")?,
-            slice(s3, l3, "residual")?,
-        );
+    fn forward(&self, [x, w, r]: [&[f32]; 3], [l1, l2, l3]: [&Layout; 3]) -> CResult<(Vec<f32>, Shape)> {
         let Product { rows, out, inp, shape } = Product::of("linear + residual", l1, l2)?;
         if l3.dims() != shape.dims() {
             candle_core::bail!(
@@ -223,40 +288,31 @@ impl CustomOp3 for LinearResidualOp {
             true,
             1.0,
         );
-        Ok((CpuStorage::F32(y), l3.shape().clone()))
+        Ok((y, shape))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _r: &Tensor,
-        _res: &Tensor,
-        g: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw) = LinearOp.bwd(x, w, _res, g)?;
-        Ok((dx, dw, Some(g.clone())))
+    fn backward(&self, [x, w, _]: [&[f32]; 3], [xd, wd, _]: [&[usize]; 3], g: &[f32]) -> CResult<[Vec<f32>; 3]> {
+        let [dx, dw] = Linear.backward([x, w], [xd, wd], g)?;
+        Ok([dx, dw, g.to_vec()])
     }
 }
 
 /// The up half of a SwiGLU feed-forward, `silu(x @ gateᵀ) · (x @ upᵀ)`, as one graph node;
 /// the two pre-activations are kept for the backward.
 pub fn swiglu(x: &Tensor, gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
-    x.contiguous()?.apply_op3(
-        &gate.contiguous()?,
-        &up.contiguous()?,
-        SwigluOp {
-            saved: std::sync::Mutex::new(None),
-        },
-    )
+    let op = Swiglu {
+        saved: std::sync::Mutex::new(None),
+    };
+    x.contiguous()?
+        .apply_op3(&gate.contiguous()?, &up.contiguous()?, Op(op))
 }
 
-struct SwigluOp {
+struct Swiglu {
     /// The gate and up pre-activations of the forward, `(rows, ff)` each.
     saved: std::sync::Mutex<Option<(Vec<f32>, Vec<f32>)>>,
 }
 
-impl SwigluOp {
+impl Swiglu {
     fn pre(x: &[f32], gate: &[f32], up: &[f32], rows: usize, inp: usize, ff: usize) -> (Vec<f32>, Vec<f32>) {
         let xv = cpu::View::rows(x, rows, inp);
         (
@@ -266,25 +322,11 @@ impl SwigluOp {
     }
 }
 
-impl CustomOp3 for SwigluOp {
-    fn name(&self) -> &'static str {
-        "fused-swiglu"
-    }
+impl Fused3 for Swiglu {
+    const NAME: &'static str = "fused-swiglu";
+    const INPUTS: [&'static str; 3] = ["swiglu x", "gate weight", "up weight"];
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        let (x, gw, uw) = (
-            slice(s1, l1, "swiglu x")?,
-            slice(s2, l2, "gate weight")?,
-            slice(s3, l3, "up weight")?,
-        );
+    fn forward(&self, [x, gw, uw]: [&[f32]; 3], [l1, l2, l3]: [&Layout; 3]) -> CResult<(Vec<f32>, Shape)> {
         let Product {
             rows,
             out: ff,
@@ -301,97 +343,67 @@ impl CustomOp3 for SwigluOp {
             .saved
             .lock()
             .map_err(|_| candle_core::Error::Msg("swiglu: poisoned".into()))? = Some((g, u));
-        Ok((CpuStorage::F32(h), shape))
+        Ok((h, shape))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        gate: &Tensor,
-        up: &Tensor,
-        _res: &Tensor,
-        gh: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (ff, inp) = gate.dims2()?;
-        let rows = x.elem_count() / inp.max(1);
-        let gh = gh.contiguous()?;
-        let (dx, dgw, duw) = with(x, "swiglu x", |xs| {
-            with(gate, "gate weight", |gw| {
-                with(up, "up weight", |uw| {
-                    with(&gh, "swiglu grad", |ys| {
-                        let saved = self
-                            .saved
-                            .lock()
-                            .map_err(|_| candle_core::Error::Msg("swiglu: poisoned".into()))?;
-                        let recomputed;
-                        let (g, u) = match &*saved {
-                            Some((g, u)) => (g, u),
-                            None => {
-                                recomputed = Self::pre(xs, gw, uw, rows, inp, ff);
-                                (&recomputed.0, &recomputed.1)
-                            }
-                        };
-                        let mut dg = vec![0f32; g.len()];
-                        let mut du = vec![0f32; u.len()];
-                        train::silu_mul_backward(g, u, ys, &mut dg, &mut du);
-                        let (dgv, duv) = (cpu::View::rows(&dg, rows, ff), cpu::View::rows(&du, rows, ff));
-                        let mut dx = cpu::gemm_new(dgv, cpu::View::rows(gw, ff, inp), 1.0);
-                        cpu::gemm(
-                            cpu::ViewMut::rows(&mut dx, rows, inp),
-                            duv,
-                            cpu::View::rows(uw, ff, inp),
-                            true,
-                            1.0,
-                        );
-                        let xv = cpu::View::rows(xs, rows, inp);
-                        Ok((dx, cpu::gemm_new(dgv.t(), xv, 1.0), cpu::gemm_new(duv.t(), xv, 1.0)))
-                    })
-                })
-            })
-        })?;
-        Ok((
-            Some(tensor(dx, x.shape())?),
-            Some(tensor(dgw, gate.shape())?),
-            Some(tensor(duw, up.shape())?),
-        ))
+    fn backward(&self, [xs, gw, uw]: [&[f32]; 3], [_, gd, _]: [&[usize]; 3], ys: &[f32]) -> CResult<[Vec<f32>; 3]> {
+        let &[ff, inp] = gd else {
+            candle_core::bail!("swiglu: the gate weight {gd:?} must be a matrix")
+        };
+        let rows = xs.len() / inp.max(1);
+        let saved = self
+            .saved
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("swiglu: poisoned".into()))?;
+        let recomputed;
+        let (g, u) = match &*saved {
+            Some((g, u)) => (g, u),
+            None => {
+                recomputed = Self::pre(xs, gw, uw, rows, inp, ff);
+                (&recomputed.0, &recomputed.1)
+            }
+        };
+        let mut dg = vec![0f32; g.len()];
+        let mut du = vec![0f32; u.len()];
+        train::silu_mul_backward(g, u, ys, &mut dg, &mut du);
+        let (dgv, duv) = (cpu::View::rows(&dg, rows, ff), cpu::View::rows(&du, rows, ff));
+        let mut dx = cpu::gemm_new(dgv, cpu::View::rows(gw, ff, inp), 1.0);
+        cpu::gemm(
+            cpu::ViewMut::rows(&mut dx, rows, inp),
+            duv,
+            cpu::View::rows(uw, ff, inp),
+            true,
+            1.0,
+        );
+        let xv = cpu::View::rows(xs, rows, inp);
+        Ok([dx, cpu::gemm_new(dgv.t(), xv, 1.0), cpu::gemm_new(duv.t(), xv, 1.0)])
     }
 }
 
 /// `silu(gate) · up`, element-wise.
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
-    gate.contiguous()?.apply_op2(&up.contiguous()?, SiluMulOp)
+    gate.contiguous()?.apply_op2(&up.contiguous()?, Op(SiluMul))
 }
 
-struct SiluMulOp;
+struct SiluMul;
 
-impl CustomOp2 for SiluMulOp {
-    fn name(&self) -> &'static str {
-        "fused-silu-mul"
-    }
+impl Fused2 for SiluMul {
+    const NAME: &'static str = "fused-silu-mul";
+    const INPUTS: [&'static str; 2] = ["silu_mul gate", "silu_mul up"];
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let (g, u) = (slice(s1, l1, "silu_mul gate")?, slice(s2, l2, "silu_mul up")?);
+    fn forward(&self, [g, u]: [&[f32]; 2], [l1, l2]: [&Layout; 2]) -> CResult<(Vec<f32>, Shape)> {
         if l1.dims() != l2.dims() {
             candle_core::bail!("silu_mul: gate {:?} and up {:?} differ", l1.dims(), l2.dims())
         }
         let mut out = vec![0f32; g.len()];
         cpu::silu_mul(g, u, &mut out);
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+        Ok((out, l1.shape().clone()))
     }
 
-    fn bwd(&self, g: &Tensor, u: &Tensor, _res: &Tensor, gy: &Tensor) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let gy = gy.contiguous()?;
-        let mut dg = vec![0f32; g.elem_count()];
-        let mut du = vec![0f32; u.elem_count()];
-        with(g, "silu_mul gate", |gs| {
-            with(u, "silu_mul up", |us| {
-                with(&gy, "silu_mul grad", |ys| {
-                    train::silu_mul_backward(gs, us, ys, &mut dg, &mut du);
-                    Ok(())
-                })
-            })
-        })?;
-        Ok((Some(tensor(dg, g.shape())?), Some(tensor(du, u.shape())?)))
+    fn backward(&self, [g, u]: [&[f32]; 2], _: [&[usize]; 2], gy: &[f32]) -> CResult<[Vec<f32>; 2]> {
+        let (mut dg, mut du) = (vec![0f32; g.len()], vec![0f32; u.len()]);
+        train::silu_mul_backward(g, u, gy, &mut dg, &mut du);
+        Ok([dg, du])
     }
 }
 
@@ -457,7 +469,7 @@ pub fn attention(
 ) -> CResult<Tensor> {
     let (b, t, width) = q.dims3()?;
     let hd = width / heads.max(1);
-    let op = AttentionOp {
+    let op = Attention {
         shape: train::AttnShape {
             batch: b,
             seq: t,
@@ -470,17 +482,17 @@ pub fn attention(
         rope: rope.map(|r| (Rotary(r.clone(), heads), Rotary(r.clone(), kv))),
     };
     op.check(q.dims(), k.dims(), v.dims())?;
-    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, Op(op))
 }
 
-struct AttentionOp {
+struct Attention {
     shape: train::AttnShape,
     mask: Arc<Vec<f32>>,
     /// Rotary embedding of q and of k, when applied inside.
     rope: Option<(Rotary, Rotary)>,
 }
 
-impl AttentionOp {
+impl Attention {
     fn check(&self, q: &[usize], k: &[usize], v: &[usize]) -> CResult<()> {
         let s = &self.shape;
         let kv = [s.batch, s.seq, s.kv_heads * s.hd];
@@ -500,26 +512,12 @@ impl AttentionOp {
     }
 }
 
-impl CustomOp3 for AttentionOp {
-    fn name(&self) -> &'static str {
-        "fused-attention"
-    }
+impl Fused3 for Attention {
+    const NAME: &'static str = "fused-attention";
+    const INPUTS: [&'static str; 3] = ["attention q", "attention k", "attention v"];
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
+    fn forward(&self, [q, k, v]: [&[f32]; 3], [l1, l2, l3]: [&Layout; 3]) -> CResult<(Vec<f32>, Shape)> {
         self.check(l1.dims(), l2.dims(), l3.dims())?;
-        let (q, k, v) = (
-            slice(s1, l1, "attention q")?,
-            slice(s2, l2, "attention k")?,
-            slice(s3, l3, "attention v")?,
-        );
         let mut out = vec![0f32; q.len()];
         match &self.rope {
             Some((rq, rk)) => {
@@ -528,49 +526,23 @@ impl CustomOp3 for AttentionOp {
             }
             None => train::attention_forward(self.shape, q, k, v, &self.mask, &mut out),
         }
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+        Ok((out, l1.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        _res: &Tensor,
-        g: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let g = g.contiguous()?;
-        let mut dq = vec![0f32; q.elem_count()];
-        let mut dk = vec![0f32; k.elem_count()];
-        let mut dv = vec![0f32; v.elem_count()];
-        with(q, "attention q", |qs| {
-            with(k, "attention k", |ks| {
-                with(v, "attention v", |vs| {
-                    with(&g, "attention grad", |gs| match &self.rope {
-                        Some((rq, rk)) => {
-                            let (qr, kr) = (rq.run(qs, q.dims(), false)?, rk.run(ks, k.dims(), false)?);
-                            train::attention_backward(
-                                self.shape, &qr, &kr, vs, &self.mask, gs, &mut dq, &mut dk, &mut dv,
-                            );
-                            dq = rq.run(&dq, q.dims(), true)?;
-                            dk = rk.run(&dk, k.dims(), true)?;
-                            Ok(())
-                        }
-                        None => {
-                            train::attention_backward(
-                                self.shape, qs, ks, vs, &self.mask, gs, &mut dq, &mut dk, &mut dv,
-                            );
-                            Ok(())
-                        }
-                    })
-                })
-            })
-        })?;
-        Ok((
-            Some(tensor(dq, q.shape())?),
-            Some(tensor(dk, k.shape())?),
-            Some(tensor(dv, v.shape())?),
-        ))
+    fn backward(&self, [qs, ks, vs]: [&[f32]; 3], [qd, kd, _]: [&[usize]; 3], gs: &[f32]) -> CResult<[Vec<f32>; 3]> {
+        let mut dq = vec![0f32; qs.len()];
+        let mut dk = vec![0f32; ks.len()];
+        let mut dv = vec![0f32; vs.len()];
+        match &self.rope {
+            Some((rq, rk)) => {
+                let (qr, kr) = (rq.run(qs, qd, false)?, rk.run(ks, kd, false)?);
+                train::attention_backward(self.shape, &qr, &kr, vs, &self.mask, gs, &mut dq, &mut dk, &mut dv);
+                dq = rq.run(&dq, qd, true)?;
+                dk = rk.run(&dk, kd, true)?;
+            }
+            None => train::attention_backward(self.shape, qs, ks, vs, &self.mask, gs, &mut dq, &mut dk, &mut dv),
+        }
+        Ok([dq, dk, dv])
     }
 }
 
@@ -620,6 +592,20 @@ struct LogprobsOp {
     entropy: Option<EntropySlot>,
 }
 
+impl LogprobsOp {
+    /// The kernels' view of `logits` `(batch, seq, vocab)` scoring this op's tokens.
+    fn rows<'a>(&'a self, logits: &'a [f32], [batch, seq, vocab]: [usize; 3]) -> train::TokenLogits<'a> {
+        train::TokenLogits {
+            logits,
+            tokens: &self.tokens,
+            batch,
+            seq,
+            vocab,
+            temp: self.temp,
+        }
+    }
+}
+
 impl CustomOp1 for LogprobsOp {
     fn name(&self) -> &'static str {
         "fused-token-logprobs"
@@ -635,10 +621,10 @@ impl CustomOp1 for LogprobsOp {
         let mut out = vec![0f32; b * t];
         let logits = slice(s, l, "logits")?;
         match &self.entropy {
-            None => train::logprobs_forward(logits, &self.tokens, b, t, v, self.temp, &mut out),
+            None => train::logprobs_forward(self.rows(logits, [b, t, v]), &mut out),
             Some(slot) => {
                 let mut ent = vec![0f32; b * t];
-                train::logprobs_entropy_forward(logits, &self.tokens, b, t, v, self.temp, &mut out, &mut ent);
+                train::logprobs_entropy_forward(self.rows(logits, [b, t, v]), &mut out, &mut ent);
                 *slot
                     .lock()
                     .map_err(|_| candle_core::Error::Msg("entropy slot poisoned".into()))? =
@@ -680,7 +666,7 @@ impl CustomOp1 for LogprobsOp {
         let mut d = vec![0f32; b * t * v];
         with(logits, "logits", |ls| {
             with(&g, "logprobs grad", |gs| {
-                train::logprobs_backward(ls, &self.tokens, b, t, v, self.temp, gs, &mut d);
+                train::logprobs_backward(self.rows(ls, [b, t, v]), gs, &mut d);
                 Ok(())
             })
         })?;
