@@ -425,6 +425,43 @@ pub async fn resume_after_restart(b: &dyn Backend) {
     again.close().await.unwrap();
 }
 
+/// `buffered_bytes` falls back to zero once the records are consumed, whether or not the
+/// producer ever awaited their deliveries (Kafka: it counted a record until its delivery
+/// future was polled, so a producer that awaited late showed megabytes "in flight").
+pub async fn buffered_bytes_do_not_wait_for_the_delivery_futures(b: &dyn Backend) {
+    let bus = open(&b.url()).await;
+    let topic = unique("buffered");
+    bus.create_topic(&TopicSpec::new(&topic, 2)).await.unwrap();
+    let group = unique("g");
+    let mut c = bus.subscribe(&group, std::slice::from_ref(&topic)).await.unwrap();
+    let producer = bus.producer("buffered").await.unwrap();
+    let mut pending = Vec::new();
+    for i in 0..8u64 {
+        let mut payload = vec![0u8; 4096];
+        payload[..8].copy_from_slice(&i.to_le_bytes());
+        pending.push(
+            producer
+                .send(&topic, Record::new(payload).with_key(format!("k{i}")))
+                .await
+                .unwrap(),
+        );
+    }
+    // Consume and acknowledge all eight without polling any delivery future.
+    take(&mut c, 8, true, b.patience()).await;
+    let until = tokio::time::Instant::now() + b.patience();
+    while bus.buffered_bytes(&topic) > 0 {
+        assert!(
+            tokio::time::Instant::now() < until,
+            "{} bytes still counted as buffered after every record was consumed",
+            bus.buffered_bytes(&topic)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for f in pending {
+        f.await.unwrap();
+    }
+}
+
 pub async fn backpressure(b: &dyn Backend) {
     const BOUND: u64 = 256 << 10;
     const SIZE: usize = 32 << 10;
@@ -759,7 +796,8 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!(@cases $backend;
             order_within_key, spread_over_partitions, rebalance_join_and_leave, redelivery_after_crash,
             resume_after_restart, backpressure, broadcast, large_messages_and_headers, dead_letter,
-            stale_ack_after_rebalance, newest_of_each_partition, every_topic_spread_over_members);
+            stale_ack_after_rebalance, newest_of_each_partition, every_topic_spread_over_members,
+            buffered_bytes_do_not_wait_for_the_delivery_futures);
     };
     (@cases $backend:expr; $($case:ident),*) => {
         $(

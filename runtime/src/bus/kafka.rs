@@ -601,10 +601,16 @@ impl Producer for KafkaProducer {
                 Ok(fut) => {
                     counter.fetch_add(size as u64, Ordering::Relaxed);
                     let topic = topic.to_string();
-                    return Ok(async move {
+                    // The bytes leave the count when the broker answers, whether or not the
+                    // caller ever polls the delivery (a caller that awaits its deliveries
+                    // late would otherwise show them all as still in flight).
+                    let delivered = tokio::spawn(async move {
                         let r = fut.await;
                         counter.fetch_sub(size as u64, Ordering::Relaxed);
-                        match r {
+                        r
+                    });
+                    return Ok(async move {
+                        match delivered.await.unwrap_or(Err(futures::channel::oneshot::Canceled)) {
                             Ok(Ok(d)) => Ok(Delivery {
                                 partition: d.partition as u32,
                                 offset: d.offset as u64,
