@@ -85,8 +85,17 @@ trait Fused3: Send + Sync {
     const INPUTS: [&'static str; 3];
     /// The output and its shape.
     fn forward(&self, x: [&[f32]; 3], l: [&Layout; 3]) -> CResult<(Vec<f32>, Shape)>;
-    /// The inputs' gradients, each the size of its input, from the output's gradient `g`.
-    fn backward(&self, x: [&[f32]; 3], dims: [&[usize]; 3], g: &[f32]) -> CResult<[Vec<f32>; 3]>;
+    /// The inputs' gradients from the output's gradient `g`.
+    fn backward(&self, x: [&[f32]; 3], dims: [&[usize]; 3], g: &[f32]) -> CResult<[Grad; 3]>;
+}
+
+/// One input's gradient from [`Fused3::backward`].
+enum Grad {
+    /// Computed values, the size of the input.
+    Values(Vec<f32>),
+    /// The output's gradient itself (an input added to the output as it is), passed on
+    /// without a copy.
+    Output,
 }
 
 /// A [`Fused2`] or [`Fused3`] as a candle op.
@@ -153,11 +162,11 @@ impl<T: Fused3> CustomOp3 for Op<T> {
                 })
             })
         })?;
-        Ok((
-            Some(tensor(da, a.shape())?),
-            Some(tensor(db, b.shape())?),
-            Some(tensor(dc, c.shape())?),
-        ))
+        let tensor_of = |d: Grad, input: &Tensor| match d {
+            Grad::Values(v) => tensor(v, input.shape()).map(Some),
+            Grad::Output => Ok(Some(g.clone())),
+        };
+        Ok((tensor_of(da, a)?, tensor_of(db, b)?, tensor_of(dc, c)?))
     }
 }
 
@@ -291,9 +300,9 @@ impl Fused3 for LinearResidual {
         Ok((y, shape))
     }
 
-    fn backward(&self, [x, w, _]: [&[f32]; 3], [xd, wd, _]: [&[usize]; 3], g: &[f32]) -> CResult<[Vec<f32>; 3]> {
+    fn backward(&self, [x, w, _]: [&[f32]; 3], [xd, wd, _]: [&[usize]; 3], g: &[f32]) -> CResult<[Grad; 3]> {
         let [dx, dw] = Linear.backward([x, w], [xd, wd], g)?;
-        Ok([dx, dw, g.to_vec()])
+        Ok([Grad::Values(dx), Grad::Values(dw), Grad::Output])
     }
 }
 
@@ -346,7 +355,7 @@ impl Fused3 for Swiglu {
         Ok((h, shape))
     }
 
-    fn backward(&self, [xs, gw, uw]: [&[f32]; 3], [_, gd, _]: [&[usize]; 3], ys: &[f32]) -> CResult<[Vec<f32>; 3]> {
+    fn backward(&self, [xs, gw, uw]: [&[f32]; 3], [_, gd, _]: [&[usize]; 3], ys: &[f32]) -> CResult<[Grad; 3]> {
         let &[ff, inp] = gd else {
             candle_core::bail!("swiglu: the gate weight {gd:?} must be a matrix")
         };
@@ -376,7 +385,11 @@ impl Fused3 for Swiglu {
             1.0,
         );
         let xv = cpu::View::rows(xs, rows, inp);
-        Ok([dx, cpu::gemm_new(dgv.t(), xv, 1.0), cpu::gemm_new(duv.t(), xv, 1.0)])
+        Ok([
+            Grad::Values(dx),
+            Grad::Values(cpu::gemm_new(dgv.t(), xv, 1.0)),
+            Grad::Values(cpu::gemm_new(duv.t(), xv, 1.0)),
+        ])
     }
 }
 
@@ -529,7 +542,7 @@ impl Fused3 for Attention {
         Ok((out, l1.shape().clone()))
     }
 
-    fn backward(&self, [qs, ks, vs]: [&[f32]; 3], [qd, kd, _]: [&[usize]; 3], gs: &[f32]) -> CResult<[Vec<f32>; 3]> {
+    fn backward(&self, [qs, ks, vs]: [&[f32]; 3], [qd, kd, _]: [&[usize]; 3], gs: &[f32]) -> CResult<[Grad; 3]> {
         let mut dq = vec![0f32; qs.len()];
         let mut dk = vec![0f32; ks.len()];
         let mut dv = vec![0f32; vs.len()];
@@ -542,7 +555,7 @@ impl Fused3 for Attention {
             }
             None => train::attention_backward(self.shape, qs, ks, vs, &self.mask, gs, &mut dq, &mut dk, &mut dv),
         }
-        Ok([dq, dk, dv])
+        Ok([Grad::Values(dq), Grad::Values(dk), Grad::Values(dv)])
     }
 }
 

@@ -38,7 +38,6 @@
 //!   load: a rebalance storm that stalled consumers for minutes).
 //! * Broker outages do not end a consumer: transient errors (all brokers down, transport
 //!   failures) are logged and retried with backoff; only fatal errors are returned.
-//!
 //! * `fetch_wait_ms` (default 50) is how long the broker may hold a fetch that finds no
 //!   data (`fetch.wait.max.ms`). Apache Kafka and Redpanda answer as soon as data arrives,
 //!   so there a longer wait (Kafka's default is 500) costs no latency and saves the
@@ -102,7 +101,7 @@ pub struct KafkaBus {
     /// Partition counts seen, so producers can hash keys themselves.
     partitions: Arc<Mutex<HashMap<String, u32>>>,
     /// Bytes handed to producers of this process and not yet acknowledged, per topic.
-    in_flight: Arc<Mutex<HashMap<String, Arc<AtomicU64>>>>,
+    in_flight: InFlight,
 }
 
 impl KafkaBus {
@@ -227,15 +226,19 @@ impl KafkaBus {
         })
         .await
     }
+}
 
-    fn in_flight_counter(&self, topic: &str) -> Arc<AtomicU64> {
-        self.in_flight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(topic.to_string())
-            .or_default()
-            .clone()
-    }
+/// Bytes handed to producers of this process and not yet acknowledged, per topic.
+type InFlight = Arc<Mutex<HashMap<String, Arc<AtomicU64>>>>;
+
+/// `topic`'s counter in `in_flight`, created at zero.
+fn in_flight_counter(in_flight: &InFlight, topic: &str) -> Arc<AtomicU64> {
+    in_flight
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry(topic.to_string())
+        .or_default()
+        .clone()
 }
 
 #[async_trait]
@@ -450,7 +453,7 @@ impl Bus for KafkaBus {
     }
 
     fn buffered_bytes(&self, topic: &str) -> u64 {
-        self.in_flight_counter(topic).load(Ordering::Relaxed)
+        in_flight_counter(&self.in_flight, topic).load(Ordering::Relaxed)
     }
 }
 
@@ -510,7 +513,7 @@ impl KafkaBus {
 /// What a producer needs of its bus.
 struct Shallow {
     partitions: Arc<Mutex<HashMap<String, u32>>>,
-    in_flight: Arc<Mutex<HashMap<String, Arc<AtomicU64>>>>,
+    in_flight: InFlight,
     max: usize,
 }
 
@@ -579,14 +582,7 @@ impl Producer for KafkaProducer {
         for (k, v) in &record.headers {
             headers = headers.insert(Header { key: k, value: Some(v) });
         }
-        let counter = self
-            .bus
-            .in_flight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(topic.to_string())
-            .or_default()
-            .clone();
+        let counter = in_flight_counter(&self.bus.in_flight, topic);
         let mut rec: FutureRecord<'_, [u8], [u8]> =
             FutureRecord::to(topic).payload(&record.payload[..]).headers(headers);
         if let Some(k) = &record.key {
