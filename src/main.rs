@@ -83,6 +83,10 @@ enum Command {
     },
 }
 
+/// Large buffers (a training step's logits and vocabulary gradients) on huge pages.
+#[global_allocator]
+static ALLOC: streamrl_kernels::alloc::HugePages = streamrl_kernels::alloc::HugePages;
+
 fn main() -> std::process::ExitCode {
     // `streamrl __sandbox-init CONFIG`: this binary is also the sandboxes' init (one file
     // to ship). First, before any thread exists.
@@ -91,7 +95,12 @@ fn main() -> std::process::ExitCode {
     cli::set_overrides(cli.set.clone());
     // Training reuses its freed activation buffers instead of faulting them in again.
     streamrl_kernels::alloc::retain_freed_memory();
-    if matches!(cli.command, Command::Run(_)) {
+    // SAFETY: no other thread exists yet (the async runtime starts below).
+    #[allow(unsafe_code)]
+    unsafe {
+        streamrl_kernels::bf16::sleep_between_products()
+    };
+    if matches!(cli.command, Command::Run(_) | Command::Bench { .. }) {
         one_thread_per_op();
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
@@ -107,8 +116,9 @@ fn main() -> std::process::ExitCode {
 /// `streamrl run` puts the rollout engine and the trainer in one process, each busy at the
 /// same time. Candle's default CPU parallelism (a spinning pool over every core per op)
 /// collapses under that contention (5–7× slower on 2 cores); one thread per op, with the
-/// stages running in parallel, is the fast setting. An explicit `CANDLE_NUM_THREADS` /
-/// `RAYON_NUM_THREADS` wins.
+/// stages running in parallel, is the fast setting. The benches spread their products over
+/// the cores they time (`cores::spread`) and keep the rest of an op on one thread, as the
+/// trainer does. An explicit `CANDLE_NUM_THREADS` / `RAYON_NUM_THREADS` wins.
 fn one_thread_per_op() {
     for var in ["CANDLE_NUM_THREADS", "RAYON_NUM_THREADS"] {
         if std::env::var_os(var).is_none() {

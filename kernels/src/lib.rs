@@ -13,6 +13,7 @@
 //! `streamrl_model::parity` (on a GPU: `scripts/gpu-check.sh`).
 
 pub mod alloc;
+pub mod bf16;
 pub mod cores;
 pub mod cpu;
 pub mod train;

@@ -17,6 +17,7 @@
 
 use std::ops::Range;
 
+use crate::bf16::{self, Products};
 use crate::cpu::{self, View, ViewMut};
 
 /// The additive mask value of a masked position (a packed row's other samples, the
@@ -121,6 +122,11 @@ pub struct AttnShape {
     pub hd: usize,
     /// Score scale, usually `1/sqrt(hd)`.
     pub scale: f32,
+    /// The number type of the products. [`Products::F32`] keeps the decode kernels' sums
+    /// (a token's output the same bits as [`cpu::attend`] gives it); [`Products::Bf16`]
+    /// computes each head's scores and weighted sums as whole-matrix bf16 products (the
+    /// masked entries included, at zero weight).
+    pub products: Products,
 }
 
 impl AttnShape {
@@ -199,6 +205,22 @@ impl AttnShape {
     fn probs(&self, q: &[f32], k: &[f32], mask: &[f32], spans: &[Range<usize>], (r, h): (usize, usize), p: &mut [f32]) {
         let (t, hd) = (self.seq, self.hd);
         let (qo, ko) = self.offsets(r, h);
+        if self.products == Products::Bf16 {
+            let qv = self.view(q, qo, self.heads, 0..t);
+            let kv = self.view(k, ko, self.kv_heads, 0..t);
+            bf16::gemm(ViewMut::rows(p, t, t), qv, kv.t(), false, self.scale);
+            let m = self.mask_of(mask, r);
+            for ((row, mrow), span) in p.chunks_exact_mut(t).zip(m.chunks_exact(t)).zip(spans) {
+                row[..span.start].fill(0.0);
+                row[span.end..].fill(0.0);
+                let s = &mut row[span.clone()];
+                for (x, &a) in s.iter_mut().zip(&mrow[span.clone()]) {
+                    *x += a;
+                }
+                cpu::softmax_in_place(s);
+            }
+            return;
+        }
         // This head's keys transposed, (hd, seq): each query's scores are then rows of
         // fused multiply-adds across its keys at once.
         let mut kt = vec![0f32; hd * t];
@@ -244,6 +266,11 @@ pub fn attention_forward(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], mask: &[
         for h in 0..s.heads {
             s.probs(q, k, mask, &spans, (r, h), &mut p);
             let (qo, ko) = s.offsets(r, h);
+            if s.products == Products::Bf16 {
+                let vv = s.view(v, ko, s.kv_heads, 0..t);
+                bf16::gemm(s.view_mut(out, qo, s.heads, 0..t), View::rows(&p, t, t), vv, false, 1.0);
+                continue;
+            }
             cpu::with_fma(
                 #[inline(always)]
                 || {
@@ -318,11 +345,12 @@ pub fn attention_backward(
                 let at = rows.start * t + keys.start;
                 let pb = View::block(&p[at..], n, m, t);
                 let doh = s.view(dout, qo, hq, rows.clone());
+                let pr = s.products;
                 // dv += pᵀ dout
-                cpu::gemm(s.view_mut(dv, ko, hk, keys.clone()), pb.t(), doh, true, 1.0);
+                pr.gemm(s.view_mut(dv, ko, hk, keys.clone()), pb.t(), doh, true, 1.0);
                 // dp = dout vᵀ; ds = p ∘ (dp − rowsum(p ∘ dp))
                 let dpb = ViewMut::block(&mut dp[at..], n, m, t);
-                cpu::gemm(dpb, doh, s.view(v, ko, hk, keys.clone()).t(), false, 1.0);
+                pr.gemm(dpb, doh, s.view(v, ko, hk, keys.clone()).t(), false, 1.0);
                 for i in 0..n {
                     let pr = &p[at + i * t..][..m];
                     let dr = &mut dp[at + i * t..][..m];
@@ -333,14 +361,14 @@ pub fn attention_backward(
                 }
                 // dq = scale · ds k; dk += scale · dsᵀ q
                 let ds = View::block(&dp[at..], n, m, t);
-                cpu::gemm(
+                pr.gemm(
                     s.view_mut(dq, qo, hq, rows.clone()),
                     ds,
                     s.view(k, ko, hk, keys.clone()),
                     false,
                     s.scale,
                 );
-                cpu::gemm(
+                pr.gemm(
                     s.view_mut(dk, ko, hk, keys.clone()),
                     ds.t(),
                     s.view(q, qo, hq, rows.clone()),
@@ -756,6 +784,7 @@ mod tests {
             kv_heads: 2,
             hd: 4,
             scale: 0.5,
+            products: Products::F32,
         };
         let mut q = data(2 * 5 * 4 * 4, 9);
         let mut k = data(2 * 5 * 2 * 4, 10);
@@ -924,6 +953,7 @@ mod tests {
             kv_heads,
             hd,
             scale: 0.125,
+            products: Products::F32,
         };
         let (q, k, v) = (
             data(t * heads * hd, 11),
@@ -999,6 +1029,7 @@ mod tests {
             kv_heads,
             hd,
             scale: 0.35,
+            products: Products::F32,
         };
         let (q, k, v, dout) = (
             data(width * qw, 31),

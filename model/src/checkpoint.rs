@@ -273,6 +273,17 @@ pub fn load(dir: &Path, device: &Device) -> Result<Loaded> {
     load_as(dir, device, DType::F32)
 }
 
+/// [`load`] for a model that computes in `precision` on `device`: weights in
+/// [`Precision::weights`]'s dtype and the products [`Precision::products`] says.
+///
+/// [`Precision::weights`]: crate::device::Precision::weights
+/// [`Precision::products`]: crate::device::Precision::products
+pub fn load_in(dir: &Path, device: &Device, precision: crate::device::Precision) -> Result<Loaded> {
+    let mut l = load_as(dir, device, precision.weights(device))?;
+    l.model.set_products(precision.products(device));
+    Ok(l)
+}
+
 /// [`load`] into variables of `dtype` (f32 or bf16), whatever dtype the files hold.
 pub fn load_as(dir: &Path, device: &Device, dtype: DType) -> Result<Loaded> {
     let hf = HfConfig::load(&dir.join("config.json"))?;

@@ -120,24 +120,43 @@ pub fn cuda_driver_present() -> bool {
     false
 }
 
-/// The number type a model's weights and activations use.
+/// The number type a model computes in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
-    /// 32-bit floats (the default; the fused CPU kernels need it).
+    /// 32-bit floats (the default).
     #[default]
     F32,
-    /// bfloat16 weights and activations; logits, losses and optimizer state stay f32
-    /// (the optimizer keeps f32 master weights).
+    /// bfloat16 matrix products with f32 sums; logits, losses and optimizer state stay
+    /// f32. On the CPU the weights stay f32 too (the master copy the optimizer updates)
+    /// and every matrix product rounds its inputs to bf16 and runs on the CPU's matrix
+    /// units (`streamrl_kernels::bf16`: AMX, or AVX-512 BF16, else f32); on a GPU the
+    /// weights and activations are bf16 tensors and the optimizer keeps f32 master weights.
     Bf16,
 }
 
 impl Precision {
-    /// The candle dtype.
+    /// The candle dtype of the weights on a GPU (and of bf16 tensors anywhere).
     pub fn dtype(self) -> DType {
         match self {
             Precision::F32 => DType::F32,
             Precision::Bf16 => DType::BF16,
+        }
+    }
+
+    /// The dtype weights are held in on `device`: f32 on the CPU whatever the precision
+    /// (bf16 there is in the products), [`Precision::dtype`] elsewhere.
+    pub fn weights(self, device: &Device) -> DType {
+        if device.is_cpu() { DType::F32 } else { self.dtype() }
+    }
+
+    /// The number type of the CPU's matrix products (f32 on other devices, which compute
+    /// in their weights' dtype).
+    pub fn products(self, device: &Device) -> streamrl_kernels::bf16::Products {
+        use streamrl_kernels::bf16::Products;
+        match self {
+            Precision::Bf16 if device.is_cpu() => Products::Bf16,
+            _ => Products::F32,
         }
     }
 }

@@ -25,6 +25,7 @@ use std::sync::Arc;
 
 use candle_core::backend::BackendStorage as _;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Shape, Storage, Tensor};
+use streamrl_kernels::bf16::Products;
 use streamrl_kernels::{cpu, train};
 
 type CResult<T> = candle_core::Result<T>;
@@ -203,11 +204,12 @@ impl Fused2 for RmsNorm {
 
 /// `x @ wᵀ` for `x` of any rank ≥ 2 and a weight `w` `(out, in)`, as one product whose
 /// backward writes the weight's gradient `(out, in)` directly (the op-by-op transpose
-/// leaves a transposed view that must be copied before the optimizer can read it).
-pub fn linear(x: &Tensor, w: &Tensor) -> CResult<Tensor> {
+/// leaves a transposed view that must be copied before the optimizer can read it). The
+/// forward's and both backward products are in `p`'s number type.
+pub fn linear(x: &Tensor, w: &Tensor, p: Products) -> CResult<Tensor> {
     // One graph node, whatever the rank: candle's backward pays a zero-filled buffer and an
     // addition for every node a gradient passes through, reshapes included.
-    x.contiguous()?.apply_op2(&w.contiguous()?, Op(Linear))
+    x.contiguous()?.apply_op2(&w.contiguous()?, Op(Linear(p)))
 }
 
 /// The shape of `x @ wᵀ` for `x` `(…, inp)` and a weight `(out, inp)`.
@@ -238,7 +240,7 @@ impl Product {
     }
 }
 
-struct Linear;
+struct Linear(Products);
 
 impl Fused2 for Linear {
     const NAME: &'static str = "fused-linear";
@@ -246,7 +248,7 @@ impl Fused2 for Linear {
 
     fn forward(&self, [x, w]: [&[f32]; 2], [l1, l2]: [&Layout; 2]) -> CResult<(Vec<f32>, Shape)> {
         let p = Product::of("linear", l1, l2)?;
-        let y = cpu::gemm_new(
+        let y = self.0.gemm_new(
             cpu::View::rows(x, p.rows, p.inp),
             cpu::View::rows(w, p.out, p.inp).t(),
             1.0,
@@ -261,20 +263,20 @@ impl Fused2 for Linear {
         let rows = x.len() / inp.max(1);
         let gv = cpu::View::rows(g, rows, out);
         Ok([
-            cpu::gemm_new(gv, cpu::View::rows(w, out, inp), 1.0),
-            cpu::gemm_new(gv.t(), cpu::View::rows(x, rows, inp), 1.0),
+            self.0.gemm_new(gv, cpu::View::rows(w, out, inp), 1.0),
+            self.0.gemm_new(gv.t(), cpu::View::rows(x, rows, inp), 1.0),
         ])
     }
 }
 
 /// `residual + x @ wᵀ`: a [`linear`] whose product accumulates onto the residual stream, one
 /// graph node instead of two.
-pub fn linear_residual(x: &Tensor, w: &Tensor, residual: &Tensor) -> CResult<Tensor> {
+pub fn linear_residual(x: &Tensor, w: &Tensor, residual: &Tensor, p: Products) -> CResult<Tensor> {
     x.contiguous()?
-        .apply_op3(&w.contiguous()?, &residual.contiguous()?, Op(LinearResidual))
+        .apply_op3(&w.contiguous()?, &residual.contiguous()?, Op(LinearResidual(p)))
 }
 
-struct LinearResidual;
+struct LinearResidual(Products);
 
 impl Fused3 for LinearResidual {
     const NAME: &'static str = "fused-linear-residual";
@@ -290,7 +292,7 @@ impl Fused3 for LinearResidual {
             )
         }
         let mut y = r.to_vec();
-        cpu::gemm(
+        self.0.gemm(
             cpu::ViewMut::rows(&mut y, rows, out),
             cpu::View::rows(x, rows, inp),
             cpu::View::rows(w, out, inp).t(),
@@ -301,16 +303,17 @@ impl Fused3 for LinearResidual {
     }
 
     fn backward(&self, [x, w, _]: [&[f32]; 3], [xd, wd, _]: [&[usize]; 3], g: &[f32]) -> CResult<[Grad; 3]> {
-        let [dx, dw] = Linear.backward([x, w], [xd, wd], g)?;
+        let [dx, dw] = Linear(self.0).backward([x, w], [xd, wd], g)?;
         Ok([Grad::Values(dx), Grad::Values(dw), Grad::Output])
     }
 }
 
 /// The up half of a SwiGLU feed-forward, `silu(x @ gateᵀ) · (x @ upᵀ)`, as one graph node;
 /// the two pre-activations are kept for the backward.
-pub fn swiglu(x: &Tensor, gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
+pub fn swiglu(x: &Tensor, gate: &Tensor, up: &Tensor, p: Products) -> CResult<Tensor> {
     let op = Swiglu {
         saved: std::sync::Mutex::new(None),
+        products: p,
     };
     x.contiguous()?
         .apply_op3(&gate.contiguous()?, &up.contiguous()?, Op(op))
@@ -319,14 +322,16 @@ pub fn swiglu(x: &Tensor, gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
 struct Swiglu {
     /// The gate and up pre-activations of the forward, `(rows, ff)` each.
     saved: std::sync::Mutex<Option<(Vec<f32>, Vec<f32>)>>,
+    /// The number type of its products.
+    products: Products,
 }
 
 impl Swiglu {
-    fn pre(x: &[f32], gate: &[f32], up: &[f32], rows: usize, inp: usize, ff: usize) -> (Vec<f32>, Vec<f32>) {
+    fn pre(&self, x: &[f32], gate: &[f32], up: &[f32], rows: usize, inp: usize, ff: usize) -> (Vec<f32>, Vec<f32>) {
         let xv = cpu::View::rows(x, rows, inp);
         (
-            cpu::gemm_new(xv, cpu::View::rows(gate, ff, inp).t(), 1.0),
-            cpu::gemm_new(xv, cpu::View::rows(up, ff, inp).t(), 1.0),
+            self.products.gemm_new(xv, cpu::View::rows(gate, ff, inp).t(), 1.0),
+            self.products.gemm_new(xv, cpu::View::rows(up, ff, inp).t(), 1.0),
         )
     }
 }
@@ -345,7 +350,7 @@ impl Fused3 for Swiglu {
         if l3.dims() != l2.dims() {
             candle_core::bail!("swiglu: gate {:?} and up {:?} differ", l2.dims(), l3.dims())
         }
-        let (g, u) = Self::pre(x, gw, uw, rows, inp, ff);
+        let (g, u) = self.pre(x, gw, uw, rows, inp, ff);
         let mut h = vec![0f32; g.len()];
         cpu::silu_mul(&g, &u, &mut h);
         *self
@@ -368,7 +373,7 @@ impl Fused3 for Swiglu {
         let (g, u) = match &*saved {
             Some((g, u)) => (g, u),
             None => {
-                recomputed = Self::pre(xs, gw, uw, rows, inp, ff);
+                recomputed = self.pre(xs, gw, uw, rows, inp, ff);
                 (&recomputed.0, &recomputed.1)
             }
         };
@@ -376,8 +381,9 @@ impl Fused3 for Swiglu {
         let mut du = vec![0f32; u.len()];
         train::silu_mul_backward(g, u, ys, &mut dg, &mut du);
         let (dgv, duv) = (cpu::View::rows(&dg, rows, ff), cpu::View::rows(&du, rows, ff));
-        let mut dx = cpu::gemm_new(dgv, cpu::View::rows(gw, ff, inp), 1.0);
-        cpu::gemm(
+        let p = self.products;
+        let mut dx = p.gemm_new(dgv, cpu::View::rows(gw, ff, inp), 1.0);
+        p.gemm(
             cpu::ViewMut::rows(&mut dx, rows, inp),
             duv,
             cpu::View::rows(uw, ff, inp),
@@ -387,8 +393,8 @@ impl Fused3 for Swiglu {
         let xv = cpu::View::rows(xs, rows, inp);
         Ok([
             Grad::Values(dx),
-            Grad::Values(cpu::gemm_new(dgv.t(), xv, 1.0)),
-            Grad::Values(cpu::gemm_new(duv.t(), xv, 1.0)),
+            Grad::Values(p.gemm_new(dgv.t(), xv, 1.0)),
+            Grad::Values(p.gemm_new(duv.t(), xv, 1.0)),
         ])
     }
 }
@@ -469,6 +475,7 @@ impl Rotary {
 /// `(batch, seq, kv_heads · hd)`, `mask` additive `(batch or 1, seq, seq)` (host copy, shared
 /// by every layer). With `rope`, the rotary embedding of `q` and `k` is applied inside the
 /// op (and undone on their gradients in the backward). Returns `(batch, seq, heads · hd)`.
+/// Its products are in `products`' number type (see [`train::AttnShape::products`]).
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: &Tensor,
@@ -479,6 +486,7 @@ pub fn attention(
     kv: usize,
     scale: f64,
     rope: Option<&RopeTables>,
+    products: Products,
 ) -> CResult<Tensor> {
     let (b, t, width) = q.dims3()?;
     let hd = width / heads.max(1);
@@ -490,6 +498,7 @@ pub fn attention(
             kv_heads: kv,
             hd,
             scale: scale as f32,
+            products,
         },
         mask,
         rope: rope.map(|r| (Rotary(r.clone(), heads), Rotary(r.clone(), kv))),

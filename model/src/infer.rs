@@ -32,25 +32,46 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use streamrl_kernels::bf16::{self, Products};
 use streamrl_kernels::cpu;
 
 use crate::config::{Config, MoeConfig, RopeLayout, RouterScore};
 use crate::model::{FeedForward, Linear, Mlp, Transformer};
 use crate::{Error, Result};
 
-/// A dense weight matrix stored transposed, `(in, out)` row-major (the layout
-/// [`cpu::matmul`] reads fastest), plus an optional bias.
+/// A dense weight matrix, plus an optional bias.
 #[derive(Debug, Clone)]
 struct Mat {
-    wt: Vec<f32>,
+    w: Weights,
     b: Option<Vec<f32>>,
     out: usize,
     inp: usize,
 }
 
+/// A weight as the products read it.
+#[derive(Debug, Clone)]
+enum Weights {
+    /// Transposed, `(in, out)` row-major: the layout [`cpu::matmul`] reads fastest.
+    F32(Vec<f32>),
+    /// Converted to bf16 once, for [`bf16::gemm_prepared`].
+    Bf16(Box<bf16::Matrix>),
+}
+
+impl Weights {
+    /// A checkpoint's `(out, inp)` weight laid out for products of type `p`.
+    fn new(w: &[f32], out: usize, inp: usize, p: Products) -> Weights {
+        match p {
+            Products::F32 => Weights::F32(cpu::transpose(w, out, inp)),
+            // Read transposed in place: the conversion keeps its memory order.
+            Products::Bf16 => Weights::Bf16(Box::new(bf16::Matrix::new(cpu::View::rows(w, out, inp).t()))),
+        }
+    }
+}
+
 impl Mat {
-    /// Linear layers with the same input width, their outputs side by side.
-    fn of(parts: &[&Linear]) -> Result<Mat> {
+    /// Linear layers with the same input width, their outputs side by side, for products
+    /// of type `p`.
+    fn of(parts: &[&Linear], p: Products) -> Result<Mat> {
         let inp = parts[0].w.dim(1)?;
         let any_bias = parts.iter().any(|l| l.b.is_some());
         let (mut w, mut b, mut out) = (Vec::new(), Vec::new(), 0);
@@ -71,7 +92,7 @@ impl Mat {
             out += o;
         }
         Ok(Mat {
-            wt: cpu::transpose(&w, out, inp),
+            w: Weights::new(&w, out, inp, p),
             b: any_bias.then_some(b),
             out,
             inp,
@@ -80,7 +101,14 @@ impl Mat {
 
     /// `dst (n, out) (+)= x (n, in) @ w^T (+ b)`.
     fn apply(&self, x: &[f32], n: usize, dst: &mut [f32], accumulate: bool, threads: usize) {
-        cpu::matmul(x, n, &self.wt, self.inp, self.out, dst, accumulate, threads);
+        match &self.w {
+            Weights::F32(wt) => cpu::matmul(x, n, wt, self.inp, self.out, dst, accumulate, threads),
+            Weights::Bf16(w) => {
+                let dst = cpu::ViewMut::rows(&mut dst[..n * self.out], n, self.out);
+                let x = cpu::View::rows(&x[..n * self.inp], n, self.inp);
+                bf16::gemm_prepared(dst, x, w, accumulate, 1.0, threads)
+            }
+        }
         if let Some(b) = &self.b {
             for row in dst.chunks_exact_mut(self.out) {
                 for (y, b) in row.iter_mut().zip(b) {
@@ -104,12 +132,12 @@ struct Swiglu {
 }
 
 impl Swiglu {
-    fn from(m: &Mlp) -> Result<Swiglu> {
-        let gate_up = Mat::of(&[&m.gate, &m.up])?;
+    fn from(m: &Mlp, p: Products) -> Result<Swiglu> {
+        let gate_up = Mat::of(&[&m.gate, &m.up], p)?;
         Ok(Swiglu {
             ff: gate_up.out / 2,
             gate_up,
-            down: Mat::of(&[&m.down])?,
+            down: Mat::of(&[&m.down], p)?,
         })
     }
 
@@ -190,9 +218,11 @@ pub struct CpuModel {
 }
 
 impl CpuModel {
-    /// Copies the weights of a model that lives on the CPU in f32; any other device or
-    /// dtype is an error (use the candle forward there).
+    /// Copies the weights of a model that lives on the CPU in f32 (converted to bf16 once
+    /// when the model's products are bf16: [`Transformer::set_products`]); any other
+    /// device or dtype is an error (use the candle forward there).
     pub fn new(m: &Transformer) -> Result<CpuModel> {
+        let p = m.products;
         if !matches!(m.device, Device::Cpu) || m.embed.dtype() != DType::F32 {
             return Err(Error::Shape(format!(
                 "the CPU kernels need f32 weights on the CPU (this model: {:?} on {:?})",
@@ -207,20 +237,23 @@ impl CpuModel {
                 let a = &b.attn;
                 Ok(Layer {
                     attn_norm: host(&b.attn_norm.w)?,
-                    qkv: Mat::of(&[&a.q, &a.k, &a.v])?,
+                    qkv: Mat::of(&[&a.q, &a.k, &a.v], p)?,
                     q_norm: a.q_norm.as_ref().map(|n| host(&n.w)).transpose()?,
                     k_norm: a.k_norm.as_ref().map(|n| host(&n.w)).transpose()?,
-                    o: Mat::of(&[&a.o])?,
+                    o: Mat::of(&[&a.o], p)?,
                     ff_norm: host(&b.ff_norm.w)?,
                     ff: match &b.ff {
-                        FeedForward::Dense(mlp) => Ff::Dense(Swiglu::from(mlp)?),
+                        FeedForward::Dense(mlp) => Ff::Dense(Swiglu::from(mlp, p)?),
                         FeedForward::Moe(moe) => Ff::Moe(Box::new(Moe {
-                            router: Mat::of(&[&moe.router])?,
-                            experts: moe.experts.iter().map(Swiglu::from).collect::<Result<_>>()?,
+                            // Routing stays f32: a rounded score can flip an expert choice.
+                            router: Mat::of(&[&moe.router], Products::F32)?,
+                            experts: moe.experts.iter().map(|e| Swiglu::from(e, p)).collect::<Result<_>>()?,
                             shared: moe
                                 .shared
                                 .as_ref()
-                                .map(|(mlp, gate)| Ok::<_, Error>((Swiglu::from(mlp)?, Mat::of(&[gate])?)))
+                                .map(|(mlp, gate)| {
+                                    Ok::<_, Error>((Swiglu::from(mlp, p)?, Mat::of(&[gate], Products::F32)?))
+                                })
                                 .transpose()?,
                             cfg: moe.cfg.clone(),
                         })),
@@ -232,10 +265,10 @@ impl CpuModel {
         Ok(CpuModel {
             cfg: m.cfg.clone(),
             head: match &m.head {
-                Some(h) => Mat::of(&[h])?,
+                Some(h) => Mat::of(&[h], p)?,
                 // Tied: the embedding (vocab, d) is the head's weight.
                 None => Mat {
-                    wt: cpu::transpose(&embed, m.cfg.vocab, m.cfg.d_model),
+                    w: Weights::new(&embed, m.cfg.vocab, m.cfg.d_model, p),
                     b: None,
                     out: m.cfg.vocab,
                     inp: m.cfg.d_model,

@@ -3,6 +3,8 @@
 //! on the CPU kernels (`cpu_kernels::`) and on candle ops (`candle_ops::`, the path every
 //! other device takes).
 
+mod onednn;
+
 use candle_core::Device;
 use streamrl_model::engine::{Engine, EngineConfig, FinishReason, Output, SamplingParams};
 use streamrl_model::{Packed, Tokenizer, Transformer, checkpoint, config, token_logprobs};
@@ -558,4 +560,47 @@ fn bf16_weights_decode_and_swap() {
         "a swap keeps the engine's dtype"
     );
     assert_eq!(e.version(), 1);
+}
+
+/// bf16 products on the CPU (`dtype: bf16` there): the engine runs its CPU kernels with the
+/// weights converted once, its sampled logprobs stay within bf16 rounding of the f32
+/// training forward's recompute (the sampler/trainer mismatch the importance mask bounds),
+/// and a weight swap keeps bf16 products.
+#[test]
+fn bf16_products_decode_on_the_cpu_kernels_and_swap() {
+    use streamrl_kernels::bf16::Products;
+    onednn::fetch();
+    let tok = Tokenizer::char_level();
+    let hf = config::preset("tiny", tok.vocab_size()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let f = checkpoint::init_seeded(&hf, &Device::Cpu, Some(3)).unwrap();
+    checkpoint::save(dir.path(), &hf, &f.vars, Some(&tok), None).unwrap();
+    let b = checkpoint::load_in(dir.path(), &Device::Cpu, streamrl_model::device::Precision::Bf16).unwrap();
+    assert_eq!((b.model.dtype(), b.model.products()), (candle_core::DType::F32, Products::Bf16));
+    let mut e = Engine::new(
+        b.model,
+        0,
+        Some(tok.clone()),
+        EngineConfig {
+            max_num_seqs: 4,
+            ..Default::default()
+        },
+    );
+    assert_eq!(e.kernels(), "cpu");
+    for (i, p) in prompts().into_iter().enumerate() {
+        e.add(p, params(i, 0.7)).unwrap();
+    }
+    let outs = by_id(e.run_to_completion().unwrap());
+    let mut worst = 0f32;
+    for (o, p) in outs.iter().zip(prompts()) {
+        // Recomputed in f32: the trainer's view of the same tokens.
+        let lp = recompute(&f.model, &p, &o.tokens, 0.7);
+        for (k, got) in o.logprobs.iter().enumerate() {
+            worst = worst.max((got - lp[p.len() + k]).abs());
+        }
+    }
+    assert!(worst.is_finite() && worst <= 0.05, "bf16 sampler vs f32 trainer: |Δlogprob| up to {worst}");
+    e.load_weights(dir.path(), 1, None).unwrap();
+    assert_eq!(e.model().products(), Products::Bf16, "a swap keeps bf16 products");
+    assert_eq!(e.kernels(), "cpu");
 }

@@ -2,6 +2,8 @@
 //! agree, packing isolates samples, cached decoding equals a full recompute, checkpoints
 //! round-trip exactly (single file and sharded), and optimizer resume is bit-identical.
 
+mod onednn;
+
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use streamrl_model::checkpoint;
@@ -756,5 +758,82 @@ fn bf16_weights_train_like_f32_and_checkpoint_as_bf16() {
                 "{name}: {k} after resume"
             );
         }
+    }
+}
+
+/// bf16 products with f32 weights (`dtype: bf16` on the CPU), for every family: the fused
+/// training forward's logits, every parameter's gradient and the CPU inference kernels'
+/// logits stay within bf16 rounding of the f32 model's (each product's inputs carry 2⁻⁹
+/// relative error, so the outputs carry a few thousandths; 2% of the logits' scale and 5%
+/// of each gradient's norm leave room for the depth of the network and no more), and on a
+/// CPU with bf16 units they are not the f32 numbers (the products really ran in bf16).
+#[test]
+fn bf16_products_stay_within_bf16_rounding_of_f32_for_every_family() {
+    use streamrl_kernels::bf16::{self, Path, Products};
+    use streamrl_model::infer::CpuModel;
+    onednn::fetch();
+    for (name, hf) in all_configs() {
+        let f = init(&hf);
+        let mut b = f.model.clone();
+        b.set_products(Products::Bf16);
+        assert_eq!(b.precision(), streamrl_model::device::Precision::Bf16);
+        assert!(b.fused_ops(), "{name}: bf16 products run through the fused ops");
+        let batch = Packed::new(&samples(), &Device::Cpu).unwrap();
+        let (lf, _) = f.model.forward(&batch).unwrap();
+        let (lb, _) = b.forward(&batch).unwrap();
+        let scale = lf.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let diff = max_abs_diff(&lf, &lb);
+        assert!(
+            diff < 0.02 * scale,
+            "{name}: bf16 logits differ by {diff} (scale {scale})"
+        );
+        if bf16::path() != Path::F32 {
+            assert!(
+                diff > 0.0,
+                "{name}: bf16 logits are the f32 logits: the products did not run in bf16"
+            );
+        }
+        let gf = rl_loss(&f.model).backward().unwrap();
+        let gb = rl_loss(&b).backward().unwrap();
+        let data = f.vars.data().lock().unwrap();
+        let pairs: Vec<(&String, &Tensor, &Tensor)> = data
+            .iter()
+            .map(|(k, v)| match (gb.get(v.as_tensor()), gf.get(v.as_tensor())) {
+                (Some(a), Some(r)) => (k, a, r),
+                _ => panic!("{name}: {k}: no gradient in bf16 or in f32"),
+            })
+            .collect();
+        let norm = |t: &Tensor| t.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap().sqrt();
+        let total = pairs.iter().map(|(_, _, r)| norm(r).powi(2)).sum::<f32>().sqrt();
+        for (k, a, r) in pairs {
+            let n = norm(a);
+            assert!(n > 0.0 && n.is_finite(), "{name}: {k}: bf16 gradient norm {n}");
+            // 5% of the parameter's own gradient, plus 0.5% of the whole gradient's norm: a
+            // gradient that is zero in exact arithmetic (a key bias, under the softmax's
+            // indifference to a shift of a query's scores, up to the rotary embedding) is
+            // nearly all rounding, in f32 as in bf16.
+            let d = norm(&(a - r).unwrap());
+            assert!(
+                d <= 0.05 * norm(r) + 0.005 * total,
+                "{name}: {k}: bf16 gradient off by {d} (its f32 norm {}, the whole gradient's {total})",
+                norm(r)
+            );
+        }
+        // The inference kernels with the weights converted once.
+        let cpu = CpuModel::new(&b).unwrap();
+        let seq: Vec<u32> = (0..7).map(|i| (i * 5 + 2) % V as u32).collect();
+        let mut kv = cpu.new_kv(8);
+        let got = cpu.forward(&mut [(&mut kv, &seq[..])]).unwrap();
+        let (want, _) = f
+            .model
+            .forward(&Packed::new(&[vec![seq.clone()]], &Device::Cpu).unwrap())
+            .unwrap();
+        let want: Vec<f32> = want.get(0).unwrap().get(6).unwrap().to_vec1().unwrap();
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d = want.iter().zip(&got).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(
+            d < 0.02 * scale,
+            "{name}: bf16 inference logits differ by {d} (scale {scale})"
+        );
     }
 }

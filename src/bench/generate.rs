@@ -9,6 +9,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use candle_core::Device;
+use streamrl_kernels::bf16::Products;
+use streamrl_kernels::cores;
 use streamrl_model::engine::{Engine, EngineConfig, EngineStats, SamplingParams};
 use streamrl_model::infer::CpuModel;
 use streamrl_model::{Packed, Transformer, checkpoint};
@@ -94,7 +96,7 @@ pub fn generate(tokens: usize, presets: &[String]) -> Result<()> {
     if !models.is_empty() {
         mixed_workloads(&models)?;
     }
-    hf_comparison(tokens)
+    hf_comparison(tokens, presets)
 }
 
 /// Batches of 1, 32 and 128 equal requests: decode tokens/s against recomputing every
@@ -288,64 +290,122 @@ pub(crate) fn torch_python() -> Option<Option<PathBuf>> {
 const HF_SCRIPT: &str = r#"
 import json, sys, time, torch
 from transformers import AutoModelForCausalLM
-torch.set_num_threads(1)
 ckpt, tokens, vocab, prompt_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-m = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-for batch in map(int, sys.argv[5:]):
+models = {}
+for spec in sys.argv[5:]:
+    batch, threads, dtype = spec.split(":")
+    batch, threads = int(batch), int(threads)
+    torch.set_num_threads(threads)
+    if dtype not in models:
+        models[dtype] = AutoModelForCausalLM.from_pretrained(
+            ckpt, dtype={"f32": torch.float32, "bf16": torch.bfloat16}[dtype]).eval()
+    m = models[dtype]
     ids = torch.tensor([[(b + i * 7) % vocab for i in range(prompt_len)] for b in range(batch)])
     # No end-of-sequence token: every row generates `tokens` (no min_new_tokens processor,
-    # which costs HF about 20%). The best of three timed runs after a warm-up.
+    # which costs HF about 20%). The best of two timed runs after a warm-up.
     kw = dict(max_new_tokens=tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
     best = 0.0
     with torch.no_grad():
         m.generate(ids, **kw)
-        for _ in range(3):
+        for _ in range(2):
             t0 = time.perf_counter()
             out = m.generate(ids, **kw)
             secs = time.perf_counter() - t0
             best = max(best, (out.shape[1] - prompt_len) * batch / secs)
-    print(json.dumps({"batch": batch, "tok_per_s": best}), flush=True)
+    print(json.dumps({"tok_per_s": best}), flush=True)
 "#;
 
-/// The tiny checkpoint through HF `generate` (greedy, 1 thread) and through the engine
-/// (greedy), batch 1 and 32.
-fn hf_comparison(tokens: usize) -> Result<()> {
-    let Some(pythonpath) = torch_python() else {
-        println!("HF transformers: not measured (no python3 that imports torch and transformers, also tried");
+/// Decode batches and thread counts of the comparison with Hugging Face `generate`.
+const HF_BATCHES: [usize; 2] = [1, 32];
+const HF_THREADS: [usize; 2] = [1, 2];
+
+/// Every preset's checkpoint through HF `generate` and through the engine (greedy), in
+/// f32 and bf16, at batch 1 and 32, on 1 and 2 threads, all in this run.
+fn hf_comparison(tokens: usize, presets: &[String]) -> Result<()> {
+    println!("{}", streamrl_kernels::bf16::describe());
+    let python = torch_python();
+    if python.is_none() {
+        println!("Hugging Face transformers: not measured (no python3 that imports torch and transformers, also tried");
         println!("$STREAMRL_TOOLS_DIR/py and target/test-tools/py, where the interop tests install them).");
-        return Ok(());
-    };
-    let dir = tempfile::tempdir()?;
-    let hf = streamrl_model::config::preset("tiny", VOCAB)?;
-    let loaded = checkpoint::init(&hf, &Device::Cpu)?;
-    checkpoint::save(dir.path(), &hf, &loaded.vars, None, None)?;
-    let batches = [1usize, 32];
-    let hf_rates = run_hf(dir.path(), pythonpath.as_deref(), tokens, &batches)?;
-    println!(
-        "Hugging Face transformers `generate` on the same tiny checkpoint: greedy, {tokens} new tokens, 1 thread (HF: best of 3)"
-    );
-    println!(
-        "{:<6} {:>14} {:>16} {:>7}",
-        "batch", "HF tok/s", "streamrl tok/s", "ratio"
-    );
-    for (batch, hf_rate) in batches.into_iter().zip(hf_rates) {
-        let requests: Vec<_> = (0..batch).map(|b| (prompt(b), tokens)).collect();
-        engine_run(&loaded.model, batch, &requests, 0.0)?;
-        let (wall, produced, _) = engine_run(&loaded.model, batch, &requests, 0.0)?;
-        let ours = produced as f64 / wall;
-        println!("{batch:<6} {hf_rate:>14.0} {ours:>16.0} {:>7.2}", ours / hf_rate);
     }
+    println!(
+        "Against Hugging Face transformers `generate` on the same checkpoint: greedy, {tokens} new tokens (HF: best of 2)"
+    );
+    println!(
+        "{:<8} {:>5} {:>3} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "preset", "batch", "thr", "f32 tok/s", "bf16 tok/s", "HF f32", "HF bf16", "f32/HF", "bf16/HF"
+    );
+    for preset in presets {
+        let dir = tempfile::tempdir()?;
+        let vocab = if large(preset) { SMOLLM2_VOCAB } else { VOCAB };
+        let hf = streamrl_model::config::preset(preset, vocab)?;
+        let loaded = checkpoint::init(&hf, &Device::Cpu)?;
+        checkpoint::save(dir.path(), &hf, &loaded.vars, None, None)?;
+        let m = &loaded.model;
+        let specs: Vec<(usize, usize, &str)> = HF_BATCHES
+            .iter()
+            .flat_map(|&b| HF_THREADS.iter().flat_map(move |&t| [(b, t, "f32"), (b, t, "bf16")]))
+            .collect();
+        let theirs = match &python {
+            Some(pp) => Some(run_hf(dir.path(), pp.as_deref(), tokens, vocab, &specs)?),
+            None => None,
+        };
+        let mut bf16_model = m.clone();
+        bf16_model.set_products(Products::Bf16);
+        for (i, &(batch, threads)) in HF_BATCHES
+            .iter()
+            .flat_map(|&b| HF_THREADS.iter().map(move |&t| (b, t)))
+            .collect::<Vec<_>>()
+            .iter()
+            .enumerate()
+        {
+            let requests: Vec<_> = (0..batch).map(|b| (prompt(b), tokens)).collect();
+            let rate = |model: &Transformer| -> Result<f64> {
+                cores::spread(threads, || {
+                    engine_run(model, batch, &requests, 0.0)?;
+                    let (wall, produced, _) = engine_run(model, batch, &requests, 0.0)?;
+                    Ok(produced as f64 / wall)
+                })
+            };
+            let (f, b) = (rate(m)?, rate(&bf16_model)?);
+            let (hf32, hf16) = match &theirs {
+                Some(t) => (Some(t[2 * i]), Some(t[2 * i + 1])),
+                None => (None, None),
+            };
+            let na = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.0}"));
+            let ratio = |a: f64, v: Option<f64>| v.map_or("–".to_string(), |v| format!("{:.2}×", a / v));
+            println!(
+                "{preset:<8} {batch:>5} {threads:>3} {f:>9.0} {b:>9.0} {:>9} {:>9} {:>9} {:>9}",
+                na(hf32),
+                na(hf16),
+                ratio(f, hf32),
+                ratio(b, hf16)
+            );
+        }
+    }
+    println!();
+    println!(
+        "f32, bf16: the engine's decode with f32 products, or bf16 products with f32 sums (weights converted once),"
+    );
+    println!("spread over `thr` cores; HF: AutoModelForCausalLM in float32 or bfloat16, torch.set_num_threads(thr).");
+    println!("tok/s counts generated tokens over the whole call, prefill included; ratio = streamrl / HF, same dtype.");
     Ok(())
 }
 
-fn run_hf(ckpt: &Path, pythonpath: Option<&Path>, tokens: usize, batches: &[usize]) -> Result<Vec<f64>> {
+fn run_hf(
+    ckpt: &Path,
+    pythonpath: Option<&Path>,
+    tokens: usize,
+    vocab: usize,
+    specs: &[(usize, usize, &str)],
+) -> Result<Vec<f64>> {
     let mut args = vec![
         ckpt.display().to_string(),
         tokens.to_string(),
-        VOCAB.to_string(),
+        vocab.to_string(),
         PROMPT.to_string(),
     ];
-    args.extend(batches.iter().map(usize::to_string));
+    args.extend(specs.iter().map(|(b, t, d)| format!("{b}:{t}:{d}")));
     run_python_script("the HF generate script", HF_SCRIPT, &args, pythonpath, "tok_per_s")
 }
 

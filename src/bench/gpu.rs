@@ -261,7 +261,7 @@ fn models(a: &GpuArgs, d: &Device) -> Result<()> {
         let init = checkpoint::init(&hf, &Device::Cpu)?;
         let dir = tempfile::tempdir()?;
         checkpoint::save(dir.path(), &hf, &init.vars, None, None)?;
-        let l = checkpoint::load_as(dir.path(), d, a.dtype.dtype())?;
+        let l = checkpoint::load_in(dir.path(), d, a.dtype)?;
         let params = crate::cli::model::parameters(&l.vars);
         let rows: Vec<Vec<Vec<u32>>> = (0..a.batch)
             .map(|r| vec![(0..a.seq).map(|i| ((r * 7 + i * 13) % VOCAB) as u32).collect()])

@@ -23,10 +23,14 @@ pub enum Which {
         /// Timed steps per shape (after one warm-up step).
         #[arg(long, default_value_t = 3)]
         steps: usize,
-        /// Skip the SmolLM2-135M shape (≈10 s per step, and its checkpointing probe of a
-        /// 4096-token micro-batch, minutes).
+        /// Skip the SmolLM2-135M shapes (seconds to tens of seconds per step, and its
+        /// checkpointing probe of a 4096-token micro-batch, minutes).
         #[arg(long)]
         skip_large: bool,
+        /// Only the shapes whose name contains this text (e.g. `8×256`), and no
+        /// checkpointing table.
+        #[arg(long)]
+        only: Option<String>,
         /// Internal: run one step of the memory probe in this process (`on` or `off` for
         /// activation checkpointing) and print its peak RSS.
         #[arg(long, hide = true)]
@@ -142,7 +146,12 @@ pub async fn run(which: Which) -> Result<()> {
             probe_smollm2,
             ..
         } => train::memory_probe(mode == "on", probe_smollm2),
-        Which::Train { steps, skip_large, .. } => train::run(steps, skip_large),
+        Which::Train {
+            steps,
+            skip_large,
+            only,
+            ..
+        } => train::run(steps, skip_large, only.as_deref()),
         Which::Async { steps, alpha } => async_level::run(steps, alpha).await,
         Which::Sandbox {
             n,

@@ -2,9 +2,11 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail};
+use anyhow::{Context as _, Result, bail};
 use candle_core::Device;
 use candle_nn::Optimizer as _;
+use streamrl_kernels::bf16::{self, Products};
+use streamrl_kernels::cores;
 use streamrl_model::config::HfConfig;
 use streamrl_model::loss::{self, LossInputs, LossKind};
 use streamrl_model::optim::{Optimizer, OptimizerConfig};
@@ -15,8 +17,9 @@ struct Shape {
     hf: HfConfig,
     batch: usize,
     seq: usize,
-    /// PyTorch 2.15 CPU, 1 thread, same shape (issue #3, measured on this machine).
-    torch_ms: f64,
+    /// Whether the naive (op-by-op candle) step is timed too (small shapes: at SmolLM2's
+    /// it takes several times the fused step and says nothing new).
+    naive: bool,
 }
 
 /// A Llama-family shape as the benches train it (untied head, 256 positions).
@@ -53,27 +56,35 @@ fn shapes(skip_large: bool) -> Vec<Shape> {
             hf: mk(128, 2, 4, 336, 64),
             batch: 64,
             seq: 16,
-            torch_ms: 50.0,
+            naive: true,
         },
         Shape {
             name: "d256 L4 V64, 64×16",
             hf: mk(256, 4, 4, 688, 64),
             batch: 64,
             seq: 16,
-            torch_ms: 275.0,
+            naive: true,
         },
     ];
     if !skip_large {
-        v.push(Shape {
-            name: "SmolLM2-135M shape, 4×128",
-            hf: smollm2_shape(),
-            batch: 4,
-            seq: 128,
-            torch_ms: 6800.0,
-        });
+        for (name, batch, seq) in [
+            ("SmolLM2-135M shape, 4×128", 4, 128),
+            ("SmolLM2-135M shape, 8×256", 8, 256),
+        ] {
+            v.push(Shape {
+                name,
+                hf: smollm2_shape(),
+                batch,
+                seq,
+                naive: false,
+            });
+        }
     }
     v
 }
+
+/// The thread counts every shape is timed at.
+const THREADS: [usize; 2] = [1, 2];
 
 /// One training step: packed forward, logprobs, SFT loss over every next token, backward,
 /// optimizer step. Returns the step time.
@@ -107,11 +118,20 @@ pub(super) fn sft_loss(logits: &candle_core::Tensor, batch: &Packed) -> streamrl
 }
 
 /// The best step time (ms) of `steps` timed steps after one warm-up, for a freshly
-/// initialised model of `s`, fused ops and streamrl's AdamW (`naive`: op-by-op candle and
-/// candle's stock AdamW), and the parameter count.
-fn time_shape(s: &Shape, batch: &Packed, steps: usize, naive: bool) -> Result<(f64, usize)> {
+/// initialised model of `s` with products of type `p` spread over `threads` cores, fused
+/// ops and streamrl's AdamW (`naive`: op-by-op candle and candle's stock AdamW), and the
+/// parameter count.
+fn time_shape(
+    s: &Shape,
+    batch: &Packed,
+    steps: usize,
+    naive: bool,
+    p: Products,
+    threads: usize,
+) -> Result<(f64, usize)> {
     let mut m = checkpoint::init(&s.hf, &Device::Cpu)?;
     m.model.set_fused_ops(!naive);
+    m.model.set_products(p);
     let params = crate::cli::model::parameters(&m.vars);
     let cfg = OptimizerConfig {
         max_grad_norm: 0.0,
@@ -135,7 +155,7 @@ fn time_shape(s: &Shape, batch: &Packed, steps: usize, naive: bool) -> Result<(f
     };
     let mut best = f64::INFINITY;
     for i in 0..=steps {
-        let d = step(&m.model, batch, &mut opt)?.as_secs_f64() * 1e3;
+        let d = cores::spread(threads, || step(&m.model, batch, &mut opt))?.as_secs_f64() * 1e3;
         if i > 0 {
             best = best.min(d);
         }
@@ -143,16 +163,34 @@ fn time_shape(s: &Shape, batch: &Packed, steps: usize, naive: bool) -> Result<(f
     Ok((best, params))
 }
 
-pub fn run(steps: usize, skip_large: bool) -> Result<()> {
-    let threads = std::env::var("CANDLE_NUM_THREADS").unwrap_or_else(|_| "default".into());
-    println!("streamrl bench train (CANDLE_NUM_THREADS={threads}; best of {steps} steps after one warm-up)");
-    let shapes = shapes(skip_large);
+pub fn run(steps: usize, skip_large: bool, only: Option<&str>) -> Result<()> {
+    println!("streamrl bench train (best of {steps} steps after one warm-up; a training step is packed forward,");
+    println!("SFT loss over every next token, backward and AdamW)");
+    println!("{}", bf16::describe());
+    let mut shapes = shapes(skip_large);
+    shapes.retain(|s| only.is_none_or(|o| s.name.contains(o)));
+    if shapes.is_empty() {
+        bail!("no bench shape's name contains `{}`", only.unwrap_or_default());
+    }
     let torch = torch_step_ms(&shapes, steps)?;
     println!();
     println!(
-        "{:<28} {:>10} {:>10} {:>11} {:>8} {:>10} {:>10} {:>9}",
-        "shape", "params", "naive ms", "streamrl ms", "speed-up", "tokens/s", "torch ms", "vs torch"
+        "{:<27} {:>3} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9}",
+        "shape",
+        "thr",
+        "params",
+        "naive ms",
+        "f32 ms",
+        "bf16 ms",
+        "torch f32",
+        "torch ac",
+        "torch b16",
+        "f32/tf32",
+        "b16/tb16",
+        "b16 tok/s"
     );
+    let na = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.1}"));
+    let ratio = |a: f64, b: Option<f64>| b.map_or("–".to_string(), |b| format!("{:.2}×", a / b));
     for (i, s) in shapes.iter().enumerate() {
         let rows: Vec<Vec<Vec<u32>>> = (0..s.batch)
             .map(|b| {
@@ -164,97 +202,129 @@ pub fn run(steps: usize, skip_large: bool) -> Result<()> {
             })
             .collect();
         let batch = Packed::new(&rows, &Device::Cpu)?;
-        let (ours, params) = time_shape(s, &batch, steps, false)?;
-        let (naive, _) = time_shape(s, &batch, steps, true)?;
-        let tokens = (s.batch * s.seq) as f64;
-        let (torch_ms, mark) = match &torch {
-            Some(t) => (t[i], ""),
-            None => (s.torch_ms, "*"),
-        };
-        println!(
-            "{:<28} {:>10} {:>10.1} {:>11.1} {:>8.2} {:>10.0} {:>9.1}{mark:1} {:>8.2}×",
-            s.name,
-            params,
-            naive,
-            ours,
-            naive / ours,
-            tokens / (ours / 1e3),
-            torch_ms,
-            ours / torch_ms
-        );
+        for (j, &threads) in THREADS.iter().enumerate() {
+            let (f32_ms, params) = time_shape(s, &batch, steps, false, Products::F32, threads)?;
+            let (bf16_ms, _) = time_shape(s, &batch, steps, false, Products::Bf16, threads)?;
+            let naive = (s.naive && threads == 1)
+                .then(|| time_shape(s, &batch, steps, true, Products::F32, threads).map(|t| t.0))
+                .transpose()?;
+            let t = torch.as_ref().map(|t| t[i * THREADS.len() + j]);
+            // The faster of PyTorch's two bf16 modes is the one to beat.
+            let torch_bf16 = t.map(|t| t.autocast.min(t.bf16));
+            println!(
+                "{:<27} {:>3} {:>10} {:>9} {:>9.1} {:>9.1} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9.0}",
+                s.name,
+                threads,
+                params,
+                na(naive),
+                f32_ms,
+                bf16_ms,
+                na(t.map(|t| t.f32)),
+                na(t.map(|t| t.autocast)),
+                na(t.map(|t| t.bf16)),
+                ratio(f32_ms, t.map(|t| t.f32)),
+                ratio(bf16_ms, torch_bf16),
+                (s.batch * s.seq) as f64 / (bf16_ms / 1e3)
+            );
+        }
     }
     println!();
-    println!("naive: the same model op by op in candle (what runs off the CPU) with candle's stock AdamW;");
-    println!("streamrl: fused training ops (streamrl_model::fused) and streamrl's fused AdamW.");
+    println!("naive: the same model op by op in candle (what runs off the CPU) with candle's stock AdamW, f32.");
+    println!("f32, bf16: streamrl's fused training ops and fused AdamW, products in f32 or in bf16 with f32 sums");
+    println!("  (weights, norms, softmax, logprobs, loss and optimizer state f32), spread over `thr` cores.");
     match torch {
-        Some(_) => println!(
-            "torch: PyTorch + transformers LlamaForCausalLM of the same shape, 1 thread, AdamW, best of {steps} steps, this run."
-        ),
+        Some(_) => {
+            println!(
+                "torch: PyTorch + transformers LlamaForCausalLM of the same shape, torch.set_num_threads(thr), AdamW,"
+            );
+            println!("  this run: f32; ac = bf16 autocast (f32 weights, as streamrl's bf16); b16 = the model in bf16.");
+            println!(
+                "b16/tb16: streamrl bf16 / the faster torch bf16 mode; f32/tf32: f32 against f32 (below 1.00× beats it)."
+            );
+        }
         None => println!(
-            "torch *: recorded for issue #3 on this machine (PyTorch 2.15, 1 thread): no python3 here imports torch and\n\
-             transformers (also tried $STREAMRL_TOOLS_DIR/py and target/test-tools/py, where the interop tests install them)."
+            "torch: not measured (no python3 here imports torch and transformers; also tried $STREAMRL_TOOLS_DIR/py\n\
+             and target/test-tools/py, where the interop tests install them)."
         ),
     }
-    println!("vs torch: streamrl step time / torch's (below 1.00× beats it).");
+    if only.is_some() {
+        return Ok(());
+    }
     checkpointing_table(skip_large)
 }
 
 const TORCH_SCRIPT: &str = r#"
-import json, sys, time, torch
+import contextlib, json, sys, time, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-torch.set_num_threads(1)
-torch.manual_seed(0)
 steps = int(sys.argv[1])
 for spec in map(json.loads, sys.argv[2:]):
+    torch.set_num_threads(spec["threads"])
     cfg = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["d"], intermediate_size=spec["ff"],
                       num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
                       num_key_value_heads=spec["kv"], rms_norm_eps=1e-5, rope_theta=spec["theta"],
                       max_position_embeddings=256, tie_word_embeddings=False)
-    m = LlamaForCausalLM(cfg).float().train()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     b, t, v = spec["batch"], spec["seq"], spec["vocab"]
     ids = torch.tensor([[(r * 7 + i * 13) % v for i in range(t)] for r in range(b)])
-    best = float("inf")
-    for i in range(steps + 1):
-        t0 = time.perf_counter()
-        out = m(input_ids=ids, labels=ids)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i > 0:
-            best = min(best, time.perf_counter() - t0)
-    print(json.dumps({"ms": best * 1e3}), flush=True)
+    out = {}
+    for mode in ("f32", "autocast", "bf16"):
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(cfg).float().train()
+        if mode == "bf16":
+            m = m.to(torch.bfloat16)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+        ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if mode == "autocast" else contextlib.nullcontext
+        best = float("inf")
+        for i in range(steps + 1):
+            t0 = time.perf_counter()
+            with ctx():
+                loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i > 0:
+                best = min(best, time.perf_counter() - t0)
+        out[mode] = best * 1e3
+        del m, opt
+    print(json.dumps({"ms": out}), flush=True)
 "#;
 
-/// PyTorch's step time (ms) at every shape, run now in a python3 that imports torch and
-/// transformers; `None` when there is none.
-fn torch_step_ms(shapes: &[Shape], steps: usize) -> Result<Option<Vec<f64>>> {
+/// PyTorch's best step times (ms) at one shape and thread count.
+#[derive(Debug, Clone, Copy, serde::Deserialize)]
+struct TorchMs {
+    f32: f64,
+    autocast: f64,
+    bf16: f64,
+}
+
+/// PyTorch's step times at every shape and thread count ([`THREADS`], shape-major), run
+/// now in a python3 that imports torch and transformers; `None` when there is none.
+fn torch_step_ms(shapes: &[Shape], steps: usize) -> Result<Option<Vec<TorchMs>>> {
     let Some(pythonpath) = super::generate::torch_python() else {
         return Ok(None);
     };
     let specs: Vec<String> = shapes
         .iter()
-        .map(|s| {
+        .flat_map(|s| THREADS.iter().map(move |&threads| (s, threads)))
+        .map(|(s, threads)| {
             serde_json::json!({
                 "vocab": s.hf.vocab_size, "d": s.hf.hidden_size, "ff": s.hf.intermediate_size,
                 "layers": s.hf.num_hidden_layers, "heads": s.hf.num_attention_heads,
                 "kv": s.hf.num_key_value_heads.unwrap_or(s.hf.num_attention_heads),
-                "theta": s.hf.rope_theta, "batch": s.batch, "seq": s.seq,
+                "theta": s.hf.rope_theta, "batch": s.batch, "seq": s.seq, "threads": threads,
             })
             .to_string()
         })
         .collect();
+    let n = specs.len();
     let mut args = vec![steps.max(1).to_string()];
     args.extend(specs);
-    let ms = super::generate::run_python_script(
-        "the torch training script",
-        TORCH_SCRIPT,
-        &args,
-        pythonpath.as_deref(),
-        "ms",
-    )?;
-    if ms.len() != shapes.len() {
-        bail!("the torch script timed {} shapes of {}", ms.len(), shapes.len());
+    let what = "the torch training script";
+    let ms = super::generate::run_python_lines(what, TORCH_SCRIPT, &args, pythonpath.as_deref())?
+        .into_iter()
+        .map(|v| serde_json::from_value::<TorchMs>(v["ms"].clone()).with_context(|| format!("{what} printed {v}")))
+        .collect::<Result<Vec<_>>>()?;
+    if ms.len() != n {
+        bail!("{what} timed {} shapes and thread counts of {n}", ms.len());
     }
     Ok(Some(ms))
 }

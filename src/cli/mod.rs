@@ -47,7 +47,7 @@ pub struct Placement {
     /// Device: cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     pub device: streamrl_model::device::DeviceSpec,
-    /// Weights' dtype: f32 or bf16 (logits stay f32).
+    /// Precision: f32, or bf16 matrix products (on the CPU: its matrix units, weights kept f32; logits stay f32).
     #[arg(long, default_value = "f32")]
     pub dtype: streamrl_model::device::Precision,
 }
@@ -56,7 +56,7 @@ impl Placement {
     /// Loads a checkpoint on this device in this dtype.
     pub fn load(&self, dir: &Path) -> Result<streamrl_model::checkpoint::Loaded> {
         let device = self.device.open()?;
-        Ok(streamrl_model::checkpoint::load_as(dir, &device, self.dtype.dtype())?)
+        Ok(streamrl_model::checkpoint::load_in(dir, &device, self.dtype)?)
     }
 }
 

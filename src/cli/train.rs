@@ -298,7 +298,7 @@ pub struct SftSpec {
     /// Device: cpu, cuda or cuda:N.
     #[serde(default)]
     pub device: streamrl_model::device::DeviceSpec,
-    /// Weights' dtype: f32 or bf16.
+    /// Precision: f32, or bf16 matrix products (on the CPU: its matrix units, weights kept f32).
     #[serde(default)]
     pub dtype: streamrl_model::device::Precision,
 }

@@ -60,8 +60,11 @@ pub struct RolloutConfig {
     /// Where the local engine runs: `cpu` (default: the fused CPU kernels), `cuda` or
     /// `cuda:N` (candle's forward on the GPU; a build with the `cuda` feature).
     pub device: DeviceSpec,
-    /// The local engine's weights: `f32` (default) or `bf16` (logits stay f32). Sampled
-    /// logprobs match the trainer's only when both use the same dtype.
+    /// The local engine's number type: `f32` (default) or `bf16` (matrix products of
+    /// prefill and decode in bf16, on the CPU on its matrix units with the weights
+    /// converted once per policy version; logits stay f32). In bf16 the sampled logprobs
+    /// differ slightly from the trainer's (the published `mismatch_kl`), which the
+    /// double-sided importance mask bounds.
     pub dtype: Precision,
 }
 
@@ -334,7 +337,7 @@ impl RolloutStage {
     /// The in-process engine on the initial policy, and its tokenizer.
     fn local(cfg: &RolloutConfig) -> Result<(Backend, Tokenizer), BuildError> {
         let device = cfg.device.open().map_err(|e| Invalid::new("device", e.to_string()))?;
-        let loaded = checkpoint::load_as(&cfg.checkpoint, &device, cfg.dtype.dtype())
+        let loaded = checkpoint::load_in(&cfg.checkpoint, &device, cfg.dtype)
             .map_err(|e| Invalid::new("checkpoint", e.to_string()))?;
         let Some(tokenizer) = loaded.tokenizer else {
             return Err(BuildError::invalid(

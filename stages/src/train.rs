@@ -45,8 +45,11 @@ pub struct TrainConfig {
     /// Where the model trains: `cpu` (default), `cuda` or `cuda:N` (a build with the
     /// `cuda` feature on a machine with an NVIDIA GPU).
     pub device: DeviceSpec,
-    /// Weights and activations: `f32` (default) or `bf16` (logits, losses, gradient
-    /// accumulation and the optimizer's master weights and moments stay f32).
+    /// Number type: `f32` (default) or `bf16`: every matrix product of the forward and
+    /// backward in bf16 with f32 sums (on the CPU on its matrix units, AMX or AVX-512 BF16,
+    /// with the weights kept f32; on a GPU with bf16 weights and activations). Logits,
+    /// losses, norms, gradient accumulation and the optimizer's master weights and moments
+    /// stay f32.
     pub dtype: Precision,
     /// CPU cores a step's matrix products may spread over while this process's other
     /// stages leave them idle (the rollout engine between decode steps, decided again
@@ -230,7 +233,7 @@ impl Learner {
     /// and its optimizer state when the directory has one.
     pub fn load(dir: &Path, cfg: TrainConfig) -> streamrl_model::Result<Self> {
         let device = cfg.device.open()?;
-        let l = checkpoint::load_as(dir, &device, cfg.dtype.dtype())?;
+        let l = checkpoint::load_in(dir, &device, cfg.dtype)?;
         let mut opt = Optimizer::new(&l.vars, cfg.optimizer.clone())?;
         if dir.join("optimizer.json").exists() {
             opt.load(dir)?;

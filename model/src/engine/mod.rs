@@ -101,6 +101,7 @@ impl Prepared {
 pub struct WeightLoader {
     device: candle_core::Device,
     dtype: candle_core::DType,
+    products: streamrl_kernels::bf16::Products,
     cpu_layout: bool,
 }
 
@@ -119,7 +120,8 @@ impl WeightLoader {
                 ));
             }
         }
-        let model = checkpoint::load_as(dir, &self.device, self.dtype)?.model;
+        let mut model = checkpoint::load_as(dir, &self.device, self.dtype)?.model;
+        model.set_products(self.products);
         let layout = if self.cpu_layout {
             Some(Box::new(CpuModel::new(&model)?))
         } else {
@@ -288,6 +290,7 @@ impl Engine {
         WeightLoader {
             device: self.core.model.device().clone(),
             dtype: self.core.model.dtype(),
+            products: self.core.model.products(),
             cpu_layout: self.backend.name() == "cpu",
         }
     }

@@ -62,9 +62,10 @@ impl Attention {
             self.n_kv,
             scale,
             Some(&f.rope),
+            self.o.products,
         )?;
         Ok(match &self.o.b {
-            None => crate::fused::linear_residual(&y, &self.o.w, residual)?,
+            None => crate::fused::linear_residual(&y, &self.o.w, residual, self.o.products)?,
             Some(_) => (residual + self.o.apply(&y, true)?)?,
         })
     }

@@ -7,6 +7,8 @@ use super::*;
 pub struct Linear {
     pub(crate) w: Tensor,
     pub(crate) b: Option<Tensor>,
+    /// The number type of its fused products ([`Transformer::set_products`]).
+    pub(crate) products: Products,
 }
 
 impl Linear {
@@ -18,7 +20,11 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { w, b })
+        Ok(Linear {
+            w,
+            b,
+            products: Products::F32,
+        })
     }
 }
 
@@ -38,7 +44,7 @@ impl Linear {
         if !fused {
             return self.forward(x);
         }
-        let y = crate::fused::linear(x, &self.w)?;
+        let y = crate::fused::linear(x, &self.w, self.products)?;
         match &self.b {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -208,8 +214,8 @@ impl Mlp {
         if self.gate.b.is_some() || self.up.b.is_some() || self.down.b.is_some() {
             return residual + self.apply(x, true)?;
         }
-        let h = crate::fused::swiglu(x, &self.gate.w, &self.up.w)?;
-        crate::fused::linear_residual(&h, &self.down.w, residual)
+        let h = crate::fused::swiglu(x, &self.gate.w, &self.up.w, self.gate.products)?;
+        crate::fused::linear_residual(&h, &self.down.w, residual, self.down.products)
     }
 
     /// [`Module::forward`], with SiLU·up as one fused op when `fused`.

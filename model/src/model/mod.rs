@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use candle_core::{D, DType, Device, IndexOp, Module, Tensor};
 use candle_nn::{Init, VarBuilder};
+use streamrl_kernels::bf16::Products;
 
 use crate::config::{Config, Family, MoeConfig, RopeLayout, RouterScore};
 use crate::{Error, Result};
@@ -133,6 +134,9 @@ pub struct Transformer {
     pub(crate) device: Device,
     /// Run the training forward through [`crate::fused`] (f32 on the CPU only).
     pub(crate) fused: bool,
+    /// The number type of the matrix products on the CPU (the fused ops' and the CPU
+    /// inference kernels'): see [`Transformer::set_products`].
+    pub(crate) products: Products,
 }
 
 impl Transformer {
@@ -161,6 +165,7 @@ impl Transformer {
             rope: Rope::new(cfg, vb.device())?,
             device: vb.device().clone(),
             fused: vb.device().is_cpu() && vb.dtype() == DType::F32,
+            products: Products::F32,
         })
     }
 
@@ -191,13 +196,53 @@ impl Transformer {
         self.fused = on && self.device.is_cpu() && self.embed.dtype() == DType::F32;
     }
 
+    /// Sets the number type of the matrix products on the CPU: bf16 (with f32 sums) runs
+    /// them on the CPU's matrix units (`streamrl_kernels::bf16`) while the weights, norms,
+    /// softmax, logprobs and losses stay f32. Applies to the fused training ops and to the
+    /// CPU inference kernels ([`crate::infer::CpuModel`]); other devices and dtypes ignore
+    /// it. Every product of a dense model's training forward and of both backward passes
+    /// takes it.
+    pub fn set_products(&mut self, p: Products) {
+        self.products = p;
+        let mut set = |l: &mut Linear| l.products = p;
+        if let Some(h) = &mut self.head {
+            set(h);
+        }
+        for b in &mut self.blocks {
+            for l in [&mut b.attn.q, &mut b.attn.k, &mut b.attn.v, &mut b.attn.o] {
+                set(l);
+            }
+            match &mut b.ff {
+                FeedForward::Dense(m) => [&mut m.gate, &mut m.up, &mut m.down].into_iter().for_each(&mut set),
+                // The training forward runs MoE layers op by op in candle (f32 products);
+                // the CPU inference kernels take the model's setting for them too.
+                FeedForward::Moe(_) => {}
+            }
+        }
+    }
+
+    /// The number type of the matrix products on the CPU ([`Transformer::set_products`]).
+    pub fn products(&self) -> Products {
+        self.products
+    }
+
+    /// The precision this model runs in: bf16 for bf16 weights, or for f32 weights with
+    /// bf16 products (what `dtype: bf16` means on the CPU).
+    pub fn precision(&self) -> crate::device::Precision {
+        if self.dtype() == DType::BF16 || self.products == Products::Bf16 {
+            crate::device::Precision::Bf16
+        } else {
+            crate::device::Precision::F32
+        }
+    }
+
     /// The head over the final normalised hidden states: the LM head, or the tied
     /// embedding; fused when `fused`. Logits are f32 whatever the weights' dtype (the
     /// logprobs the losses compare come from them).
     fn logits(&self, h: &Tensor, fused: bool) -> Result<Tensor> {
         Ok(match (&self.head, fused) {
             (Some(head), on) => head.apply(h, on)?,
-            (None, true) => crate::fused::linear(h, &self.embed)?,
+            (None, true) => crate::fused::linear(h, &self.embed, self.products)?,
             (None, false) => matmul_t(h, &self.embed)?,
         }
         .to_dtype(DType::F32)?)

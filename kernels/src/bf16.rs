@@ -1,0 +1,827 @@
+//! bf16 matrix products with f32 accumulation on the CPU's matrix units: AMX tiles where
+//! the CPU has them, else AVX-512 BF16 dot products, through oneDNN's matmul primitive
+//! (Intel's library for exactly this; its JIT picks the tile or vector kernels and asks
+//! Linux for the AMX tile state itself). oneDNN is loaded at run time, never linked, so a
+//! build and every command work without it: where it is absent, or the CPU has neither
+//! unit, [`gemm`] computes in f32 ([`cpu::gemm`]) and [`path`] says so.
+//!
+//! Where oneDNN is looked for, first found wins: the file `STREAMRL_ONEDNN` names (or
+//! `libdnnl.so.2` in the directory it names); the system's `libdnnl.so.2` (Debian's
+//! `libdnnl2`); `libdnnl.so.2` under `$STREAMRL_TOOLS_DIR/onednn` or
+//! `target/test-tools/onednn`, where `scripts/onednn.sh` unpacks Debian's package without
+//! root. oneDNN 2.x only (its C API changed in 3.0).
+//!
+//! Inputs are rounded to bf16 (round to nearest even) as they are read; products sum in
+//! f32. So a bf16 product equals, up to the order of f32 additions, the f32 product of the
+//! rounded inputs, which is what the tests check on every path. `STREAMRL_BF16=f32` forces
+//! the fallback, `STREAMRL_BF16=avx512` caps oneDNN below AMX (to compare the two paths on
+//! a CPU that has both).
+//!
+//! ```
+//! use streamrl_kernels::{bf16, cpu};
+//!
+//! // (2, 2) @ (2, 2), in whichever path this machine has; these values are exact in bf16.
+//! let (a, b) = ([1.0f32, 2.0, 3.0, 4.0], [1.0f32, 0.5, -1.0, 2.0]);
+//! let mut y = [0f32; 4];
+//! bf16::gemm(cpu::ViewMut::rows(&mut y, 2, 2), cpu::View::rows(&a, 2, 2), cpu::View::rows(&b, 2, 2), false, 1.0);
+//! assert_eq!(y, [-1.0, 4.5, -1.0, 9.5]);
+//! println!("{}", bf16::describe()); // e.g. "bf16 products: AVX-512 BF16 (oneDNN 2.6.3, …)"
+//! ```
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::fmt;
+use std::path::{Path as FsPath, PathBuf};
+use std::sync::OnceLock;
+
+use crate::cpu::{self, View, ViewMut};
+
+/// Which units a bf16 product runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// AMX tiles (`tdpbf16ps`), through oneDNN.
+    Amx,
+    /// AVX-512 BF16 dot products (`vdpbf16ps`), through oneDNN.
+    Avx512Bf16,
+    /// f32 products ([`cpu::gemm`]): no oneDNN, or no bf16 unit on this CPU.
+    F32,
+}
+
+impl fmt::Display for Path {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Path::Amx => "AMX tiles",
+            Path::Avx512Bf16 => "AVX-512 BF16",
+            Path::F32 => "f32 fallback",
+        })
+    }
+}
+
+/// The path bf16 products take in this process (decided once, at the first call).
+pub fn path() -> Path {
+    backend().path
+}
+
+/// One line saying which path bf16 products take and why, for logs and bench tables.
+pub fn describe() -> String {
+    let b = backend();
+    format!("bf16 products: {} ({})", b.path, b.why)
+}
+
+/// The number type of a model's matrix products on the CPU: f32 throughout, or bf16
+/// inputs with f32 sums ([`gemm`]). Everything else (weights as the optimizer holds them,
+/// norms, softmax, logprobs, the loss) stays f32 either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Products {
+    /// [`cpu::gemm`].
+    #[default]
+    F32,
+    /// [`gemm`].
+    Bf16,
+}
+
+impl Products {
+    /// `dst (+)= scale · a @ b` in this number type.
+    pub fn gemm(self, dst: ViewMut<'_>, a: View<'_>, b: View<'_>, accumulate: bool, scale: f32) {
+        match self {
+            Products::F32 => cpu::gemm(dst, a, b, accumulate, scale),
+            Products::Bf16 => gemm(dst, a, b, accumulate, scale),
+        }
+    }
+
+    /// [`Products::gemm`] into a new `(a.rows, b.cols)` matrix.
+    pub fn gemm_new(self, a: View<'_>, b: View<'_>, scale: f32) -> Vec<f32> {
+        match self {
+            Products::F32 => cpu::gemm_new(a, b, scale),
+            Products::Bf16 => gemm_new(a, b, scale),
+        }
+    }
+}
+
+/// Makes oneDNN's OpenMP threads sleep between products (`OMP_WAIT_POLICY=PASSIVE`, unless
+/// the environment says otherwise). libgomp's default spins a worker for a while after
+/// each parallel region; between a training step's products that worker then fights the
+/// threads that run the rest of the step (attention, norms, the rollout engine in the
+/// same process) for the same cores: on 2 cores a bf16 step on two threads took 1.3×
+/// as long as on one. libgomp reads the variable once, when oneDNN loads it.
+///
+/// # Safety
+/// Sets an environment variable: call it before any other thread of the process exists
+/// (first thing in `main`).
+#[allow(unsafe_code)]
+pub unsafe fn sleep_between_products() {
+    if std::env::var_os("OMP_WAIT_POLICY").is_none() && std::env::var_os("GOMP_SPINCOUNT").is_none() {
+        // SAFETY: the caller's contract: no other thread reads the environment now.
+        unsafe { std::env::set_var("OMP_WAIT_POLICY", "PASSIVE") };
+    }
+}
+
+/// `x` rounded to the nearest bf16 (ties to even), as the upper 16 bits of an f32. NaN
+/// stays NaN.
+#[inline(always)]
+pub fn round(x: f32) -> u16 {
+    let u = x.to_bits();
+    let rounded = ((u as u64 + 0x7fff + ((u >> 16) & 1) as u64) >> 16) as u16;
+    if u & 0x7fff_ffff > 0x7f80_0000 {
+        0x7fc0 | (u >> 16) as u16 & 0x8000
+    } else {
+        rounded
+    }
+}
+
+/// The f32 value of a bf16.
+#[inline(always)]
+pub fn widen(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+/// `x` rounded to bf16 and back: what a bf16 product reads for `x`.
+pub fn rounded(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| widen(round(v))).collect()
+}
+
+/// `dst = scale · a @ b`, or `dst += scale · a @ b` when `accumulate`, with `a` and `b`
+/// rounded to bf16 and the products summed in f32, on the units [`path`] names (in f32 on
+/// the fallback). Shapes and strides as [`cpu::gemm`]'s.
+///
+/// # Panics
+/// When the shapes disagree or a view reaches past its slice, or when oneDNN refuses a
+/// product it was set up for (a bug: the message names the shapes and oneDNN's status).
+pub fn gemm(dst: ViewMut<'_>, a: View<'_>, b: View<'_>, accumulate: bool, scale: f32) {
+    product(dst, a, Rhs::View(b), accumulate, scale, 1)
+}
+
+/// [`gemm`] into a new `(a.rows, b.cols)` matrix.
+pub fn gemm_new(a: View<'_>, b: View<'_>, scale: f32) -> Vec<f32> {
+    let mut y = vec![0f32; a.rows * b.cols];
+    gemm(ViewMut::rows(&mut y, a.rows, b.cols), a, b, false, scale);
+    y
+}
+
+/// A right-hand matrix converted to bf16 once (a weight, for every product of one policy
+/// version), in the memory order it had; on the fallback path it keeps the f32 values.
+#[derive(Debug, Clone)]
+pub struct Matrix {
+    rows: usize,
+    cols: usize,
+    order: Order,
+    bf16: Vec<u16>,
+    f32: Vec<f32>,
+}
+
+impl Matrix {
+    /// `v` converted (or, on the fallback path, copied dense by rows).
+    pub fn new(v: View<'_>) -> Matrix {
+        let (rows, cols) = (v.rows, v.cols);
+        if backend().lib.is_none() {
+            let mut f = Vec::with_capacity(rows * cols);
+            for r in 0..rows {
+                f.extend((0..cols).map(|c| v.data[r * v.rs + c * v.cs]));
+            }
+            return Matrix {
+                rows,
+                cols,
+                order: Order::Rows,
+                bf16: Vec::new(),
+                f32: f,
+            };
+        }
+        let mut bf16 = Vec::new();
+        let order = convert(v, &mut bf16);
+        Matrix {
+            rows,
+            cols,
+            order,
+            bf16,
+            f32: Vec::new(),
+        }
+    }
+
+    /// Rows of the matrix.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns of the matrix.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes it holds.
+    pub fn bytes(&self) -> usize {
+        self.bf16.len() * 2 + self.f32.len() * 4
+    }
+}
+
+/// [`gemm`] with a right-hand matrix converted beforehand, on `threads` threads (or the
+/// cores [`crate::cores::spread`] gives, when more).
+pub fn gemm_prepared(dst: ViewMut<'_>, a: View<'_>, b: &Matrix, accumulate: bool, scale: f32, threads: usize) {
+    product(dst, a, Rhs::Prepared(b), accumulate, scale, threads)
+}
+
+/// The right-hand side of a product: a view converted per call, or converted beforehand.
+#[derive(Clone, Copy)]
+enum Rhs<'a> {
+    View(View<'a>),
+    Prepared(&'a Matrix),
+}
+
+/// The product on the process's path; `threads` at least (more inside `cores::spread`).
+fn product(dst: ViewMut<'_>, a: View<'_>, b: Rhs<'_>, accumulate: bool, scale: f32, threads: usize) {
+    let lib = match (&backend().lib, b) {
+        (Some(lib), _) => lib,
+        (None, Rhs::View(b)) => return cpu::gemm(dst, a, b, accumulate, scale),
+        (None, Rhs::Prepared(p)) => {
+            return cpu::gemm(dst, a, View::rows(&p.f32, p.rows, p.cols), accumulate, scale);
+        }
+    };
+    let (brows, n) = match b {
+        Rhs::View(v) => (v.rows, v.cols),
+        Rhs::Prepared(p) => (p.rows, p.cols),
+    };
+    let (m, k) = (a.rows, a.cols);
+    assert!(
+        brows == k && dst.rows == m && dst.cols == n,
+        "bf16 gemm: ({m}×{k}) @ ({brows}×{n}) into ({}×{})",
+        dst.rows,
+        dst.cols
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 || dst.cs != 1 {
+        // Nothing to multiply (zeros or nothing added), or a destination oneDNN cannot
+        // write: neither happens in the model's products.
+        let Rhs::View(b) = b else {
+            panic!("bf16 gemm: a prepared ({k}×{n}) matrix with an empty inner dimension or into a strided destination")
+        };
+        return cpu::gemm(dst, a, b, accumulate, scale);
+    }
+    let end = (m - 1) * dst.rs + n;
+    assert!(
+        dst.data.len() >= end,
+        "bf16 gemm: destination reaches element {end} of {}",
+        dst.data.len()
+    );
+    SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        let Scratch {
+            a: abuf,
+            b: bbuf,
+            prims,
+        } = &mut *s;
+        let la = convert(a, abuf);
+        let (lb, bptr) = match b {
+            Rhs::View(v) => (convert(v, bbuf), bbuf.as_ptr()),
+            Rhs::Prepared(p) => (p.order, p.bf16.as_ptr()),
+        };
+        let key = Key {
+            m,
+            k,
+            n,
+            a: la,
+            b: lb,
+            dst_rs: dst.rs,
+            accumulate,
+            scale: scale.to_bits(),
+            // A product below a million multiply-adds runs on the calling thread: waking
+            // a sleeping worker costs more than it saves.
+            threads: if m * n * k < 1 << 20 {
+                1
+            } else {
+                threads.max(crate::cores::threads())
+            },
+        };
+        lib.set_threads(key.threads);
+        if !prims.contains_key(&key) {
+            if prims.len() >= 256 {
+                prims.clear();
+            }
+            let p = lib
+                .product(&key)
+                .unwrap_or_else(|e| panic!("bf16 gemm ({m}×{k}) @ ({k}×{n}): {e}"));
+            prims.insert(key, p);
+        }
+        let p = &prims[&key];
+        lib.run(p, abuf.as_ptr(), bptr, dst.data.as_mut_ptr())
+            .unwrap_or_else(|e| panic!("bf16 gemm ({m}×{k}) @ ({k}×{n}): {e}"));
+    });
+}
+
+/// How a matrix lies in its converted buffer: row-major, or column-major (a transposed
+/// view converted in its own memory order, which oneDNN reads through strides).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Order {
+    Rows,
+    Cols,
+}
+
+/// Converts `v` to bf16 into `buf` in one pass over its memory, keeping its order where it
+/// is dense by rows or by columns (a weight read transposed stays as it lies), else by rows.
+fn convert(v: View<'_>, buf: &mut Vec<u16>) -> Order {
+    let len = v.rows * v.cols;
+    // Every element is written below: growing without zeroing would do, but a resize of
+    // a reused buffer only zeroes what it has not held before.
+    buf.resize(len, 0);
+    let dense_cols = v.rs == 1 && (v.cs == v.rows || v.cols == 1);
+    let dense_rows = v.cs == 1 && (v.rs == v.cols || v.rows == 1);
+    if dense_rows || dense_cols {
+        let src = &v.data[..len];
+        cpu::vectorized(
+            #[inline(always)]
+            || {
+                for (d, &x) in buf.iter_mut().zip(src) {
+                    *d = round(x);
+                }
+            },
+        );
+        return if dense_rows { Order::Rows } else { Order::Cols };
+    }
+    for (r, row) in buf.chunks_exact_mut(v.cols).enumerate() {
+        for (c, d) in row.iter_mut().enumerate() {
+            *d = round(v.data[r * v.rs + c * v.cs]);
+        }
+    }
+    Order::Rows
+}
+
+/// What a cached primitive was made for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Key {
+    m: usize,
+    k: usize,
+    n: usize,
+    a: Order,
+    b: Order,
+    dst_rs: usize,
+    accumulate: bool,
+    scale: u32,
+    /// oneDNN plans a product's split among threads when it makes the primitive.
+    threads: usize,
+}
+
+/// A thread's conversion buffers and the primitives it made (oneDNN's are made per shape).
+#[derive(Default)]
+struct Scratch {
+    a: Vec<u16>,
+    b: Vec<u16>,
+    prims: HashMap<Key, Product>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// The process's choice: a loaded oneDNN and the path it takes, or the fallback and why.
+struct Backend {
+    path: Path,
+    why: String,
+    lib: Option<Lib>,
+}
+
+fn backend() -> &'static Backend {
+    static B: OnceLock<Backend> = OnceLock::new();
+    B.get_or_init(choose)
+}
+
+#[allow(unsafe_code)]
+fn choose() -> Backend {
+    let fallback = |why: String| Backend {
+        path: Path::F32,
+        why,
+        lib: None,
+    };
+    let forced = std::env::var("STREAMRL_BF16").unwrap_or_default();
+    match forced.as_str() {
+        "" | "auto" | "avx512" => {}
+        "f32" => return fallback("STREAMRL_BF16=f32".into()),
+        other => return fallback(format!("STREAMRL_BF16=`{other}` is not one of auto, avx512, f32")),
+    }
+    let candidates = candidates();
+    let Some((lib, file)) = candidates
+        .iter()
+        .find_map(|c| Lib::open(c).ok().map(|l| (l, c.clone())))
+    else {
+        let tried: Vec<String> = candidates.iter().map(|c| c.display().to_string()).collect();
+        return fallback(format!(
+            "oneDNN 2.x not found; tried {}; scripts/onednn.sh fetches it",
+            tried.join(", ")
+        ));
+    };
+    if forced == "avx512" {
+        // SAFETY: a plain setter of oneDNN's, called before its first primitive.
+        unsafe { (lib.set_max_cpu_isa)(ISA_AVX512_BF16) };
+    }
+    // SAFETY: a plain getter of oneDNN's.
+    let isa = unsafe { (lib.effective_cpu_isa)() };
+    let path = if isa & ISA_AMX == ISA_AMX {
+        Path::Amx
+    } else if isa & ISA_AVX512_BF16 == ISA_AVX512_BF16 {
+        Path::Avx512Bf16
+    } else {
+        return fallback(format!(
+            "this CPU has neither AMX nor AVX-512 BF16 (oneDNN ISA {isa:#x}; its bf16 kernels would emulate)"
+        ));
+    };
+    let why = format!("oneDNN {} from {}", lib.version, file.display());
+    Backend {
+        path,
+        why,
+        lib: Some(lib),
+    }
+}
+
+/// The files oneDNN is looked for in, in order (a bare name is the dynamic loader's search).
+fn candidates() -> Vec<PathBuf> {
+    let mut c = Vec::new();
+    if let Some(p) = std::env::var_os("STREAMRL_ONEDNN").map(PathBuf::from) {
+        c.push(if p.is_dir() { p.join(SONAME) } else { p });
+    }
+    c.push(PathBuf::from(SONAME));
+    let tools = std::env::var_os("STREAMRL_TOOLS_DIR")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(
+            FsPath::new(env!("CARGO_MANIFEST_DIR"))
+                .parent()
+                .map(|w| w.join("target/test-tools")),
+        );
+    for t in tools {
+        c.push(t.join("onednn").join(LIBDIR).join(SONAME));
+    }
+    c
+}
+
+const SONAME: &str = "libdnnl.so.2";
+/// Where Debian's packages put their libraries, under the directory they are unpacked in.
+const LIBDIR: &str = "usr/lib/x86_64-linux-gnu";
+const ISA_AVX512_BF16: c_int = 0xe7;
+const ISA_AMX: c_int = 0x3e7;
+const DNNL_CPU: c_int = 1;
+const DNNL_BF16: c_int = 2;
+const DNNL_F32: c_int = 3;
+const STREAM_IN_ORDER: u32 = 1;
+const QUERY_IMPL_INFO_STR: c_int = 8;
+const ARG_SRC: c_int = 1;
+const ARG_DST: c_int = 17;
+const ARG_WEIGHTS: c_int = 33;
+/// Indices into [`Lib::destroy`].
+const PRIMITIVE: usize = 0;
+const STREAM: usize = 1;
+const MEMORY: usize = 2;
+const PD: usize = 3;
+const ATTR: usize = 4;
+const POST_OPS: usize = 5;
+
+type Handle = *mut c_void;
+type Status = c_int;
+
+/// `dnnl_memory_desc_t` and `dnnl_matmul_desc_t` are structs in oneDNN 2.x (696 and 2800
+/// bytes in 2.6) that the API fills and reads through pointers only: room enough for both.
+#[repr(C, align(64))]
+struct Desc([u8; 8192]);
+
+impl Desc {
+    fn new() -> Box<Desc> {
+        Box::new(Desc([0; 8192]))
+    }
+    fn ptr(&mut self) -> *mut c_void {
+        self.0.as_mut_ptr().cast()
+    }
+}
+
+#[repr(C)]
+struct ExecArg {
+    arg: c_int,
+    memory: Handle,
+}
+
+#[repr(C)]
+struct Version {
+    major: c_int,
+    minor: c_int,
+    patch: c_int,
+}
+
+/// oneDNN's entry points, resolved once from the loaded library.
+struct Lib {
+    version: String,
+    engine: Handle,
+    effective_cpu_isa: unsafe extern "C" fn() -> c_int,
+    set_max_cpu_isa: unsafe extern "C" fn(c_int) -> Status,
+    stream_create: unsafe extern "C" fn(*mut Handle, Handle, u32) -> Status,
+    md_init: unsafe extern "C" fn(*mut c_void, c_int, *const i64, c_int, *const i64) -> Status,
+    matmul_desc_init:
+        unsafe extern "C" fn(*mut c_void, *const c_void, *const c_void, *const c_void, *const c_void) -> Status,
+    attr_create: unsafe extern "C" fn(*mut Handle) -> Status,
+    attr_set_output_scales: unsafe extern "C" fn(Handle, i64, c_int, *const f32) -> Status,
+    attr_set_post_ops: unsafe extern "C" fn(Handle, Handle) -> Status,
+    post_ops_create: unsafe extern "C" fn(*mut Handle) -> Status,
+    post_ops_append_sum: unsafe extern "C" fn(Handle, f32) -> Status,
+    pd_create: unsafe extern "C" fn(*mut Handle, *const c_void, Handle, Handle, Handle) -> Status,
+    pd_query: unsafe extern "C" fn(Handle, c_int, c_int, *mut c_void) -> Status,
+    primitive_create: unsafe extern "C" fn(*mut Handle, Handle) -> Status,
+    memory_create: unsafe extern "C" fn(*mut Handle, *const c_void, Handle, *mut c_void) -> Status,
+    memory_set_data_handle: unsafe extern "C" fn(Handle, *mut c_void) -> Status,
+    execute: unsafe extern "C" fn(Handle, Handle, c_int, *const ExecArg) -> Status,
+    stream_wait: unsafe extern "C" fn(Handle) -> Status,
+    /// `dnnl_primitive_destroy`, `dnnl_stream_destroy`, `dnnl_memory_destroy`,
+    /// `dnnl_primitive_desc_destroy`, `dnnl_primitive_attr_destroy`, `dnnl_post_ops_destroy`
+    /// (each takes its object and returns a status).
+    destroy: [unsafe extern "C" fn(Handle) -> Status; 6],
+    /// libgomp's, which oneDNN's Debian build runs its threads on.
+    omp_set_num_threads: Option<unsafe extern "C" fn(c_int)>,
+}
+
+// SAFETY: the engine handle is only read after creation; oneDNN engines are thread-safe, and
+// everything else here is a function pointer.
+#[allow(unsafe_code)]
+unsafe impl Send for Lib {}
+#[allow(unsafe_code)]
+unsafe impl Sync for Lib {}
+
+/// A primitive made for one [`Key`], with its three memory objects (the data handles are
+/// set per call) and a stream, all used by the thread that made them only.
+struct Product {
+    prim: Handle,
+    stream: Handle,
+    mem: [Handle; 3],
+}
+
+impl Drop for Product {
+    #[allow(unsafe_code)]
+    fn drop(&mut self) {
+        if let Some(lib) = &backend().lib {
+            // SAFETY: objects this product created and owns alone; null handles are
+            // accepted by oneDNN's destroy functions.
+            unsafe {
+                (lib.destroy[PRIMITIVE])(self.prim);
+                (lib.destroy[STREAM])(self.stream);
+                for m in self.mem {
+                    (lib.destroy[MEMORY])(m);
+                }
+            }
+        }
+    }
+}
+
+fn check(status: Status, what: &str) -> Result<(), String> {
+    if status == 0 {
+        Ok(())
+    } else {
+        Err(format!("oneDNN {what} failed with status {status}"))
+    }
+}
+
+/// A symbol's address as the function pointer type `F`.
+///
+/// # Safety
+/// `p` must be a function whose C signature `F` spells.
+#[allow(unsafe_code)]
+unsafe fn fn_ptr<F: Copy>(p: *mut c_void) -> F {
+    assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
+    // SAFETY: the caller's contract; the sizes agree (checked above).
+    unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) }
+}
+
+#[allow(unsafe_code)]
+impl Lib {
+    fn open(file: &FsPath) -> Result<Lib, String> {
+        let dl = |f: &FsPath| -> Result<Handle, String> {
+            let c = CString::new(f.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+            // SAFETY: dlopen with a NUL-terminated path; a null result is handled.
+            let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+            if h.is_null() {
+                // SAFETY: dlerror returns a static NUL-terminated string or null.
+                let e = unsafe { libc::dlerror() };
+                let msg = if e.is_null() {
+                    "unknown error".into()
+                } else {
+                    unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
+                };
+                return Err(format!("{}: {msg}", f.display()));
+            }
+            Ok(h)
+        };
+        // Debian's oneDNN needs libOpenCL.so.1 (its GPU runtime, unused here); an unpacked
+        // copy beside it is loaded first so the loader finds it by its soname.
+        if let Some(dir) = file.parent().filter(|d| !d.as_os_str().is_empty()) {
+            let ocl = dir.join("libOpenCL.so.1");
+            if ocl.exists() {
+                dl(&ocl)?;
+            }
+        }
+        let h = dl(file)?;
+        macro_rules! sym {
+            ($name:literal) => {{
+                // SAFETY: a NUL-terminated symbol name looked up in a loaded library.
+                let p = unsafe { libc::dlsym(h, concat!($name, "\0").as_ptr().cast::<c_char>()) };
+                if p.is_null() {
+                    return Err(format!("{}: no symbol {}", file.display(), $name));
+                }
+                // SAFETY: the symbol is oneDNN 2.x's function of that name, whose C
+                // signature the field's type spells.
+                unsafe { fn_ptr(p) }
+            }};
+        }
+        let version: unsafe extern "C" fn() -> *const Version = sym!("dnnl_version");
+        // SAFETY: dnnl_version returns a pointer to a static struct.
+        let v = unsafe { &*version() };
+        if v.major != 2 {
+            return Err(format!(
+                "{}: oneDNN {}.{}.{}; streamrl speaks the 2.x C API",
+                file.display(),
+                v.major,
+                v.minor,
+                v.patch
+            ));
+        }
+        let engine_create: unsafe extern "C" fn(*mut Handle, c_int, usize) -> Status = sym!("dnnl_engine_create");
+        let mut engine = std::ptr::null_mut();
+        // SAFETY: creates a CPU engine into a local handle.
+        check(unsafe { engine_create(&mut engine, DNNL_CPU, 0) }, "engine_create")?;
+        // SAFETY: looked up in the loaded library's dependency tree; absent is fine.
+        let omp = unsafe { libc::dlsym(h, c"omp_set_num_threads".as_ptr()) };
+        Ok(Lib {
+            version: format!("{}.{}.{}", v.major, v.minor, v.patch),
+            engine,
+            effective_cpu_isa: sym!("dnnl_get_effective_cpu_isa"),
+            set_max_cpu_isa: sym!("dnnl_set_max_cpu_isa"),
+            stream_create: sym!("dnnl_stream_create"),
+            md_init: sym!("dnnl_memory_desc_init_by_strides"),
+            matmul_desc_init: sym!("dnnl_matmul_desc_init"),
+            attr_create: sym!("dnnl_primitive_attr_create"),
+            attr_set_output_scales: sym!("dnnl_primitive_attr_set_output_scales"),
+            attr_set_post_ops: sym!("dnnl_primitive_attr_set_post_ops"),
+            post_ops_create: sym!("dnnl_post_ops_create"),
+            post_ops_append_sum: sym!("dnnl_post_ops_append_sum"),
+            pd_create: sym!("dnnl_primitive_desc_create"),
+            pd_query: sym!("dnnl_primitive_desc_query"),
+            primitive_create: sym!("dnnl_primitive_create"),
+            memory_create: sym!("dnnl_memory_create"),
+            memory_set_data_handle: sym!("dnnl_memory_set_data_handle"),
+            execute: sym!("dnnl_primitive_execute"),
+            stream_wait: sym!("dnnl_stream_wait"),
+            destroy: [
+                sym!("dnnl_primitive_destroy"),
+                sym!("dnnl_stream_destroy"),
+                sym!("dnnl_memory_destroy"),
+                sym!("dnnl_primitive_desc_destroy"),
+                sym!("dnnl_primitive_attr_destroy"),
+                sym!("dnnl_post_ops_destroy"),
+            ],
+            omp_set_num_threads: (!omp.is_null())
+                // SAFETY: libgomp's `void omp_set_num_threads(int)`.
+                .then(|| unsafe { fn_ptr::<unsafe extern "C" fn(c_int)>(omp) }),
+        })
+    }
+
+    /// A memory descriptor for a `(rows, cols)` matrix of `dtype` with these strides.
+    fn md(&self, rows: usize, cols: usize, dtype: c_int, strides: [usize; 2]) -> Result<Box<Desc>, String> {
+        let mut d = Desc::new();
+        let dims = [rows as i64, cols as i64];
+        let st = [strides[0] as i64, strides[1] as i64];
+        // SAFETY: d has room for a dnnl_memory_desc_t; dims and strides hold 2 values.
+        check(
+            unsafe { (self.md_init)(d.ptr(), 2, dims.as_ptr(), dtype, st.as_ptr()) },
+            "memory_desc_init",
+        )?;
+        Ok(d)
+    }
+
+    /// The primitive for `key`'s product, refused unless oneDNN picked a real kernel.
+    fn product(&self, key: &Key) -> Result<Product, String> {
+        let Key { m, k, n, .. } = *key;
+        let strides = |o: Order, rows: usize, cols: usize| match o {
+            Order::Rows => [cols, 1],
+            Order::Cols => [1, rows],
+        };
+        let mut a = self.md(m, k, DNNL_BF16, strides(key.a, m, k))?;
+        let mut b = self.md(k, n, DNNL_BF16, strides(key.b, k, n))?;
+        let mut c = self.md(m, n, DNNL_F32, [key.dst_rs, 1])?;
+        let mut desc = Desc::new();
+        // SAFETY: every descriptor was initialised above; no bias.
+        check(
+            unsafe { (self.matmul_desc_init)(desc.ptr(), a.ptr(), b.ptr(), std::ptr::null(), c.ptr()) },
+            "matmul_desc_init",
+        )?;
+        let mut attr = std::ptr::null_mut();
+        // SAFETY: attribute and post-op objects created into local handles and configured.
+        unsafe {
+            check((self.attr_create)(&mut attr), "primitive_attr_create")?;
+            if key.scale != 1f32.to_bits() {
+                let s = f32::from_bits(key.scale);
+                check((self.attr_set_output_scales)(attr, 1, 0, &s), "set_output_scales")?;
+            }
+            if key.accumulate {
+                let mut po = std::ptr::null_mut();
+                check((self.post_ops_create)(&mut po), "post_ops_create")?;
+                check((self.post_ops_append_sum)(po, 1.0), "post_ops_append_sum")?;
+                let set = (self.attr_set_post_ops)(attr, po);
+                (self.destroy[POST_OPS])(po);
+                check(set, "set_post_ops")?;
+            }
+        }
+        let mut pd = std::ptr::null_mut();
+        // SAFETY: a matmul descriptor and attributes made above, the process's engine; the
+        // descriptor keeps a copy of the attributes.
+        let made = unsafe { (self.pd_create)(&mut pd, desc.ptr(), attr, self.engine, std::ptr::null_mut()) };
+        // SAFETY: attr was created above and is used no more.
+        unsafe { (self.destroy[ATTR])(attr) };
+        check(made, "primitive_desc_create")?;
+        let made = self.instantiate(pd, [&mut a, &mut b, &mut c]);
+        // SAFETY: pd was created above; the primitive keeps what it needs of it.
+        unsafe { (self.destroy[PD])(pd) };
+        made
+    }
+
+    /// The primitive, stream and memories for a primitive descriptor whose memory
+    /// descriptors are `mds` (source, weights, destination).
+    fn instantiate(&self, pd: Handle, mds: [&mut Box<Desc>; 3]) -> Result<Product, String> {
+        let mut impl_name: *const c_char = std::ptr::null();
+        // SAFETY: the query writes a pointer to a string owned by pd.
+        check(
+            unsafe {
+                (self.pd_query)(
+                    pd,
+                    QUERY_IMPL_INFO_STR,
+                    0,
+                    (&mut impl_name as *mut *const c_char).cast(),
+                )
+            },
+            "primitive_desc_query",
+        )?;
+        // SAFETY: a NUL-terminated string owned by pd, which lives on.
+        let name = unsafe { CStr::from_ptr(impl_name) }.to_string_lossy();
+        if name.starts_with("ref") {
+            return Err(format!(
+                "oneDNN offers only its reference kernel `{name}` for this product"
+            ));
+        }
+        let mut prim = std::ptr::null_mut();
+        let mut stream = std::ptr::null_mut();
+        let mut mem = [std::ptr::null_mut(); 3];
+        // SAFETY: primitive, stream and memory objects created into local handles from the
+        // descriptors above; the memories get their data handles per call.
+        unsafe {
+            check((self.primitive_create)(&mut prim, pd), "primitive_create")?;
+            check(
+                (self.stream_create)(&mut stream, self.engine, STREAM_IN_ORDER),
+                "stream_create",
+            )?;
+            for (h, d) in mem.iter_mut().zip(mds) {
+                check(
+                    (self.memory_create)(h, d.ptr(), self.engine, std::ptr::null_mut()),
+                    "memory_create",
+                )?;
+            }
+        }
+        Ok(Product { prim, stream, mem })
+    }
+
+    /// The OpenMP threads the calling thread's next products (and primitives) use.
+    fn set_threads(&self, threads: usize) {
+        if let Some(set) = self.omp_set_num_threads {
+            // SAFETY: libgomp's setter of the calling thread's team size.
+            unsafe { set(threads.max(1) as c_int) };
+        }
+    }
+
+    /// Runs `p` on these buffers (the shapes and threads it was made for).
+    fn run(&self, p: &Product, a: *const u16, b: *const u16, c: *mut f32) -> Result<(), String> {
+        // SAFETY: the buffers hold the matrices the primitive was made for (the caller
+        // converted them for this key); oneDNN reads a and b and writes c during execute,
+        // which waits for completion before returning.
+        unsafe {
+            check(
+                (self.memory_set_data_handle)(p.mem[0], a as *mut c_void),
+                "memory_set_data_handle",
+            )?;
+            check(
+                (self.memory_set_data_handle)(p.mem[1], b as *mut c_void),
+                "memory_set_data_handle",
+            )?;
+            check(
+                (self.memory_set_data_handle)(p.mem[2], c.cast()),
+                "memory_set_data_handle",
+            )?;
+            let args = [
+                ExecArg {
+                    arg: ARG_SRC,
+                    memory: p.mem[0],
+                },
+                ExecArg {
+                    arg: ARG_WEIGHTS,
+                    memory: p.mem[1],
+                },
+                ExecArg {
+                    arg: ARG_DST,
+                    memory: p.mem[2],
+                },
+            ];
+            check((self.execute)(p.prim, p.stream, 3, args.as_ptr()), "primitive_execute")?;
+            check((self.stream_wait)(p.stream), "stream_wait")
+        }
+    }
+}

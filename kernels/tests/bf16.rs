@@ -1,0 +1,294 @@
+//! The bf16 products against their definition (the f32 product of the inputs rounded to
+//! bf16) on the path this machine takes, and every path this CPU has against the others on
+//! the same inputs. oneDNN is fetched first (`scripts/onednn.sh`), so on a CPU with AMX or
+//! AVX-512 BF16 the matrix units really run; each test writes the path it ran to stderr.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Once;
+
+use streamrl_kernels::bf16::{self, Path};
+use streamrl_kernels::cpu::{self, View, ViewMut};
+
+/// Fetches oneDNN where the loader looks for it (once per test process).
+fn fetch_onednn() {
+    static F: Once = Once::new();
+    F.call_once(|| {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        let out = Command::new("bash")
+            .arg(root.join("scripts/onednn.sh"))
+            .current_dir(&root)
+            .output()
+            .expect("running scripts/onednn.sh");
+        assert!(
+            out.status.success(),
+            "scripts/onednn.sh failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    });
+}
+
+/// What this CPU's flags say the path must be once oneDNN is there.
+fn expected_path() -> Path {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let flags: Vec<&str> = info
+        .lines()
+        .find(|l| l.starts_with("flags"))
+        .map(|l| l.split_whitespace().collect())
+        .unwrap_or_default();
+    let has = |f: &str| flags.contains(&f);
+    match std::env::var("STREAMRL_BF16").as_deref() {
+        Ok("f32") => return Path::F32,
+        Ok("avx512") if has("avx512_bf16") => return Path::Avx512Bf16,
+        _ => {}
+    }
+    if has("amx_bf16") && has("amx_tile") {
+        Path::Amx
+    } else if has("avx512_bf16") {
+        Path::Avx512Bf16
+    } else {
+        Path::F32
+    }
+}
+
+/// Written past the test harness's capture, so the CI log shows which path ran.
+fn say(line: &str) {
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// Deterministic values in [-1, 1) (a 64-bit LCG), with a spread of magnitudes.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|i| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let u = (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+            if i % 7 == 0 { u * 8.0 } else { u }
+        })
+        .collect()
+}
+
+/// One product case: `(m × k) @ (k × n)`, `a` read transposed or not, `b` likewise.
+struct Case {
+    m: usize,
+    k: usize,
+    n: usize,
+    at: bool,
+    bt: bool,
+    accumulate: bool,
+    scale: f32,
+}
+
+const CASES: &[Case] = &[
+    Case {
+        m: 1,
+        k: 576,
+        n: 1536,
+        at: false,
+        bt: true,
+        accumulate: false,
+        scale: 1.0,
+    },
+    Case {
+        m: 7,
+        k: 33,
+        n: 65,
+        at: false,
+        bt: false,
+        accumulate: false,
+        scale: 1.0,
+    },
+    Case {
+        m: 64,
+        k: 576,
+        n: 192,
+        at: false,
+        bt: true,
+        accumulate: true,
+        scale: 1.0,
+    },
+    Case {
+        m: 96,
+        k: 128,
+        n: 576,
+        at: true,
+        bt: false,
+        accumulate: false,
+        scale: 0.125,
+    },
+    Case {
+        m: 130,
+        k: 257,
+        n: 31,
+        at: true,
+        bt: true,
+        accumulate: true,
+        scale: -2.0,
+    },
+];
+
+/// The product of `c` on the process's path; what it must equal there (the f32 product of
+/// the inputs rounded to bf16 on a bf16 path, of the inputs themselves on the fallback);
+/// and the f32 product of the inputs themselves.
+fn run_case(c: &Case, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let a = values(c.m * c.k, seed);
+    let b = values(c.k * c.n, seed + 1);
+    let init = values(c.m * c.n, seed + 2);
+    let view = |d: &[f32], rows, cols, t: bool| -> Vec<f32> {
+        // Stored so that the view below reads it as (rows, cols).
+        if t { cpu::transpose(d, rows, cols) } else { d.to_vec() }
+    };
+    let (sa, sb) = (view(&a, c.m, c.k, c.at), view(&b, c.k, c.n, c.bt));
+    fn mk(d: &[f32], rows: usize, cols: usize, t: bool) -> View<'_> {
+        if t {
+            View::rows(d, cols, rows).t()
+        } else {
+            View::rows(d, rows, cols)
+        }
+    }
+    let mut got = init.clone();
+    bf16::gemm(
+        ViewMut::rows(&mut got, c.m, c.n),
+        mk(&sa, c.m, c.k, c.at),
+        mk(&sb, c.k, c.n, c.bt),
+        c.accumulate,
+        c.scale,
+    );
+    let f32_product = |a: &[f32], b: &[f32]| {
+        let mut y = init.clone();
+        let (a, b) = (mk(a, c.m, c.k, c.at), mk(b, c.k, c.n, c.bt));
+        cpu::gemm(ViewMut::rows(&mut y, c.m, c.n), a, b, c.accumulate, c.scale);
+        y
+    };
+    let exact = f32_product(&sa, &sb);
+    let want = if bf16::path() == Path::F32 {
+        exact.clone()
+    } else {
+        f32_product(&bf16::rounded(&sa), &bf16::rounded(&sb))
+    };
+    (got, want, exact)
+}
+
+/// Largest |got − want| over the scale of the terms summed (Σ|a||b|, bounded by k · 64).
+fn worst(got: &[f32], want: &[f32], k: usize) -> f32 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs() / (k as f32 * 64.0))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn products_equal_the_f32_product_of_the_rounded_inputs_on_this_cpus_path() {
+    fetch_onednn();
+    let path = bf16::path();
+    say(&format!("bf16 test: {}", bf16::describe()));
+    assert_eq!(path, expected_path(), "{}", bf16::describe());
+    for (i, c) in CASES.iter().enumerate() {
+        let (got, want, _) = run_case(c, i as u64 * 10);
+        // Only the order of f32 additions differs: a few ulps of the terms' scale.
+        let w = worst(&got, &want, c.k);
+        assert!(w < 1e-6, "case {i} ({}×{}×{}) on {path}: error {w:e}", c.m, c.k, c.n);
+    }
+}
+
+#[test]
+fn bf16_products_are_within_bf16_rounding_of_f32() {
+    fetch_onednn();
+    let c = &CASES[2];
+    let (got, _, exact) = run_case(c, 99);
+    let w = worst(&got, &exact, c.k);
+    // Each input carries 2^-9 relative rounding: the error is a few 2^-9 of the terms'
+    // scale at worst, and far more than f32's (or the inputs were not rounded at all).
+    assert!(w < 4.0 * 2f32.powi(-9), "error {w:e} on {}", bf16::path());
+    if bf16::path() != Path::F32 {
+        assert!(
+            w > 1e-6,
+            "a bf16 product as exact as f32 ({w:e}): the inputs were not rounded"
+        );
+    }
+}
+
+#[test]
+fn rounding_is_to_nearest_even_and_keeps_nan() {
+    assert_eq!(bf16::round(1.0), 0x3f80);
+    // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to the even mantissa (1).
+    assert_eq!(bf16::round(1.0 + 2f32.powi(-8)), 0x3f80);
+    assert_eq!(bf16::round(1.0 + 3.0 * 2f32.powi(-8)), 0x3f82);
+    assert!(bf16::widen(bf16::round(f32::NAN)).is_nan());
+    assert!(bf16::widen(bf16::round(f32::from_bits(0x7f80_0001))).is_nan());
+    assert_eq!(bf16::widen(bf16::round(f32::INFINITY)), f32::INFINITY);
+    assert_eq!(bf16::widen(bf16::round(-0.0)).to_bits(), (-0.0f32).to_bits());
+}
+
+/// Run by [`every_path_this_cpu_has_gives_the_same_products`] in a child process with
+/// `STREAMRL_BF16` set: writes its products to `STREAMRL_BF16_OUT`. Alone, it checks them.
+#[test]
+fn child_writes_products() {
+    fetch_onednn();
+    let mut all = Vec::new();
+    for (i, c) in CASES.iter().enumerate() {
+        let (got, want, _) = run_case(c, i as u64 * 10);
+        assert!(worst(&got, &want, c.k) < 1e-6);
+        all.extend(got);
+    }
+    if let Some(out) = std::env::var_os("STREAMRL_BF16_OUT") {
+        let bytes: Vec<u8> = all.iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(out, bytes).unwrap();
+        std::fs::write(
+            format!("{}.path", std::env::var("STREAMRL_BF16_OUT").unwrap()),
+            bf16::path().to_string(),
+        )
+        .unwrap();
+    }
+}
+
+#[test]
+fn every_path_this_cpu_has_gives_the_same_products() {
+    fetch_onednn();
+    let dir = tempfile::tempdir().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut runs = Vec::new();
+    for forced in ["auto", "avx512", "f32"] {
+        let out = dir.path().join(forced);
+        let child = Command::new(&exe)
+            .args(["--exact", "child_writes_products", "--test-threads=1"])
+            .env("STREAMRL_BF16", forced)
+            .env("STREAMRL_BF16_OUT", &out)
+            .output()
+            .unwrap();
+        assert!(
+            child.status.success(),
+            "child with STREAMRL_BF16={forced} failed: {}{}",
+            String::from_utf8_lossy(&child.stdout),
+            String::from_utf8_lossy(&child.stderr)
+        );
+        let bytes = std::fs::read(&out).unwrap();
+        let vals: Vec<f32> = bytes
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let path = std::fs::read_to_string(format!("{}.path", out.display())).unwrap();
+        runs.push((forced, path, vals));
+    }
+    let paths: Vec<String> = runs.iter().map(|(f, p, _)| format!("STREAMRL_BF16={f}: {p}")).collect();
+    say(&format!("bf16 paths compared: {}", paths.join("; ")));
+    assert_eq!(runs[2].1, Path::F32.to_string());
+    let want = expected_path().to_string();
+    assert_eq!(runs[0].1, want, "the default path");
+    for (forced, path, vals) in &runs[1..] {
+        let w = worst(vals, &runs[0].2, 1024);
+        // Two bf16 paths differ in the order of f32 additions only; the f32 fallback by the
+        // inputs' rounding.
+        let f32_path = Path::F32.to_string();
+        let bound = if *path == runs[0].1 || (*path != f32_path && want != f32_path) {
+            1e-6
+        } else {
+            4.0 * 2f32.powi(-9)
+        };
+        assert!(
+            w < bound,
+            "STREAMRL_BF16={forced} ({path}) against the default ({want}): {w:e}"
+        );
+    }
+}
