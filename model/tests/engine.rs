@@ -576,7 +576,10 @@ fn bf16_products_decode_on_the_cpu_kernels_and_swap() {
     let f = checkpoint::init_seeded(&hf, &Device::Cpu, Some(3)).unwrap();
     checkpoint::save(dir.path(), &hf, &f.vars, Some(&tok), None).unwrap();
     let b = checkpoint::load_in(dir.path(), &Device::Cpu, streamrl_model::device::Precision::Bf16).unwrap();
-    assert_eq!((b.model.dtype(), b.model.products()), (candle_core::DType::F32, Products::Bf16));
+    assert_eq!(
+        (b.model.dtype(), b.model.products()),
+        (candle_core::DType::F32, Products::Bf16)
+    );
     let mut e = Engine::new(
         b.model,
         0,
@@ -599,7 +602,10 @@ fn bf16_products_decode_on_the_cpu_kernels_and_swap() {
             worst = worst.max((got - lp[p.len() + k]).abs());
         }
     }
-    assert!(worst.is_finite() && worst <= 0.05, "bf16 sampler vs f32 trainer: |Δlogprob| up to {worst}");
+    assert!(
+        worst.is_finite() && worst <= 0.05,
+        "bf16 sampler vs f32 trainer: |Δlogprob| up to {worst}"
+    );
     e.load_weights(dir.path(), 1, None).unwrap();
     assert_eq!(e.model().products(), Products::Bf16, "a swap keeps bf16 products");
     assert_eq!(e.kernels(), "cpu");
