@@ -442,3 +442,116 @@ fn a_gguf_imported_by_streamrl_loads_in_transformers_with_its_chat_template() {
         ids.len()
     );
 }
+
+/// The logits of each checkpoint in float32, under bf16 autocast (f32 weights, bf16
+/// products: what streamrl's `dtype: bf16` does on the CPU) and with the model in bfloat16.
+const BF16_CHECK: &str = r#"
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+toks = torch.tensor([[int(t) for t in sys.argv[1].split(",")]])
+out = {}
+for d in sys.argv[2:]:
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    b = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        f = m(toks).logits[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            a = m(toks).logits[0].float()
+        w = b(toks).logits[0].float()
+    out[d] = {"f32": f.tolist(), "autocast": a.tolist(), "bf16": w.tolist()}
+print(json.dumps(out))
+"#;
+
+/// streamrl's bf16 products against transformers in bf16, on checkpoints transformers
+/// saved (Llama with biases, Qwen2, Qwen3): streamrl's bf16 logits are no further from the
+/// float32 logits than transformers' own bf16 logits are (autocast or the model in
+/// bfloat16, whichever is closer, with 50% and 1e-3 to spare: both round the same products'
+/// inputs, in different orders), within 3% of the logits' scale of transformers' autocast,
+/// and, where the CPU has bf16 units, not the float32 logits (the products ran in bf16).
+#[test]
+fn bf16_logits_are_as_close_to_float32_as_transformers_bf16() {
+    common::onednn();
+    let dir = tempfile::tempdir().unwrap();
+    let tokens: String = (0..24)
+        .map(|i| ((i * 7 + 3) % 64).to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let base = json!({
+        "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6,
+    });
+    let mut spec = serde_json::Map::new();
+    for (name, kind, extra) in [
+        ("llama", "llama", json!({"attention_bias": true, "mlp_bias": true})),
+        ("qwen2", "qwen2", json!({})),
+        ("qwen3", "qwen3", json!({"head_dim": 16})),
+    ] {
+        let mut v = base.clone();
+        v["model_type"] = json!(kind);
+        v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        spec.insert(name.into(), v);
+    }
+    transformers(
+        BUILD,
+        &[
+            Value::Object(spec.clone()).to_string().into(),
+            dir.path().into(),
+            tokens.clone().into(),
+        ],
+    );
+    let dirs: Vec<PathBuf> = spec.keys().map(|n| dir.path().join(n)).collect();
+    let mut args = vec![std::ffi::OsString::from(&tokens)];
+    args.extend(dirs.iter().map(|d| d.clone().into_os_string()));
+    let theirs = transformers(BF16_CHECK, &args);
+    let mut paths = Vec::new();
+    for d in &dirs {
+        let out = Command::new(env!("CARGO_BIN_EXE_streamrl"))
+            .args([
+                "model",
+                "logits",
+                "--dtype",
+                "bf16",
+                "--tokens",
+                &tokens,
+                "--checkpoint",
+            ])
+            .arg(d)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let path = String::from_utf8_lossy(&out.stderr).trim().to_string();
+        let ours: Vec<Vec<f64>> =
+            serde_json::from_value(serde_json::from_slice::<Value>(&out.stdout).unwrap()["logits"].clone()).unwrap();
+        let t = &theirs[d.to_str().unwrap()];
+        let f32: Vec<Vec<f64>> = serde_json::from_value(t["f32"].clone()).unwrap();
+        let scale = f32.iter().flatten().fold(0f64, |m, x| m.max(x.abs()));
+        let ours_err = max_diff(&ours, &t["f32"]);
+        let their_err = max_diff(&f32, &t["autocast"]).min(max_diff(&f32, &t["bf16"]));
+        let name = d.file_name().unwrap().to_string_lossy();
+        assert!(
+            ours_err <= 1.5 * their_err + 1e-3,
+            "{name}: streamrl bf16 is {ours_err} from float32, transformers bf16 {their_err} ({path})"
+        );
+        let to_autocast = max_diff(&ours, &t["autocast"]);
+        assert!(
+            to_autocast <= 0.03 * scale,
+            "{name}: {to_autocast} from autocast (scale {scale})"
+        );
+        if !path.contains("f32 fallback") {
+            assert!(
+                ours_err > 0.0,
+                "{name}: bf16 logits equal float32 ones: the products did not run in bf16 ({path})"
+            );
+        }
+        paths.push(format!(
+            "{name}: streamrl {ours_err:.2e}, transformers {their_err:.2e} from float32"
+        ));
+        if paths.len() == 1 {
+            use std::io::Write as _;
+            let _ = writeln!(std::io::stderr(), "hf_compat bf16: {path}");
+        }
+    }
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "hf_compat bf16: {}", paths.join("; "));
+}

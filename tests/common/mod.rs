@@ -265,6 +265,21 @@ pub fn kcat() -> (PathBuf, Option<PathBuf>) {
     (bin, Some(dir.join("usr/lib/x86_64-linux-gnu")))
 }
 
+/// oneDNN, fetched by `scripts/onednn.sh` where streamrl looks for it (the tools dir), so
+/// that `dtype: bf16` runs on this CPU's matrix units where it has them.
+pub fn onednn() {
+    static F: std::sync::Once = std::sync::Once::new();
+    F.call_once(|| {
+        run(
+            Command::new("bash")
+                .arg(root().join("scripts/onednn.sh"))
+                .arg(tools_dir().join("onednn"))
+                .current_dir(root()),
+            "fetching oneDNN (scripts/onednn.sh)",
+        );
+    });
+}
+
 /// A python3 that can import pyarrow and duckdb (installed under the tools dir if needed).
 /// `packages` are pip requirements like `pyarrow==26.0.1`; the module is the name part.
 pub fn python_with(packages: &[&str]) -> (PathBuf, Option<PathBuf>) {
