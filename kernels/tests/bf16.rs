@@ -292,3 +292,42 @@ fn every_path_this_cpu_has_gives_the_same_products() {
         );
     }
 }
+
+/// A weight converted once ([`bf16::Matrix`], packed into oneDNN's blocked layout on a
+/// bf16 path) gives the products a weight converted per call gives, at every row count a
+/// decode step or a prefill has.
+#[test]
+fn prepared_weights_give_the_products_of_converting_per_call() {
+    fetch_onednn();
+    let (k, n) = (192, 320);
+    // A checkpoint's (out, in) weight, read transposed as the inference kernels read it.
+    let w = values(n * k, 7);
+    let wt = View::rows(&w, n, k).t();
+    let prepared = bf16::Matrix::new(wt);
+    assert_eq!((prepared.rows(), prepared.cols()), (k, n));
+    assert_eq!(prepared.is_packed(), bf16::path() != Path::F32, "{}", bf16::describe());
+    for m in [1, 7, 32, 300] {
+        let x = values(m * k, m as u64);
+        let init = values(m * n, 3);
+        for accumulate in [false, true] {
+            let (mut got, mut want) = (init.clone(), init.clone());
+            bf16::gemm_prepared(
+                ViewMut::rows(&mut got, m, n),
+                View::rows(&x, m, k),
+                &prepared,
+                accumulate,
+                1.0,
+                1,
+            );
+            bf16::gemm(
+                ViewMut::rows(&mut want, m, n),
+                View::rows(&x, m, k),
+                wt,
+                accumulate,
+                1.0,
+            );
+            let w = worst(&got, &want, k);
+            assert!(w < 1e-6, "{m} rows (accumulate {accumulate}): {w:e}");
+        }
+    }
+}

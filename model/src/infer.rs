@@ -61,9 +61,12 @@ impl Weights {
     /// A checkpoint's `(out, inp)` weight laid out for products of type `p`.
     fn new(w: &[f32], out: usize, inp: usize, p: Products) -> Weights {
         match p {
-            Products::F32 => Weights::F32(cpu::transpose(w, out, inp)),
             // Read transposed in place: the conversion keeps its memory order.
-            Products::Bf16 => Weights::Bf16(Box::new(bf16::Matrix::new(cpu::View::rows(w, out, inp).t()))),
+            Products::Bf16 if bf16::path() != bf16::Path::F32 => {
+                Weights::Bf16(Box::new(bf16::Matrix::new(cpu::View::rows(w, out, inp).t())))
+            }
+            // f32, or bf16 on the fallback path: the f32 kernels as they are.
+            _ => Weights::F32(cpu::transpose(w, out, inp)),
         }
     }
 }
