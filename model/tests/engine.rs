@@ -518,31 +518,45 @@ suite!(
     top_logprobs_and_prompt_scores_agree_with_the_sampled_logprobs,
 );
 
-/// bf16 weights (the candle path, as on a GPU in bf16): the engine batches them, its
-/// logprobs match the same model's recompute as closely as bf16 rounding of the
-/// different batch shapes allows, and a weight swap loads a checkpoint into bf16.
-#[test]
-fn bf16_weights_decode_and_swap() {
+/// A seeded tiny model saved with the character-level tokenizer: the directory, and the
+/// model as saved (f32).
+fn saved_tiny() -> (tempfile::TempDir, checkpoint::Loaded) {
     let tok = Tokenizer::char_level();
     let hf = config::preset("tiny", tok.vocab_size()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let f = checkpoint::init_seeded(&hf, &Device::Cpu, Some(3)).unwrap();
     checkpoint::save(dir.path(), &hf, &f.vars, Some(&tok), None).unwrap();
-    let b = checkpoint::load_as(dir.path(), &Device::Cpu, candle_core::DType::BF16).unwrap();
+    (dir, f)
+}
+
+/// An engine over `model` (4 sequences at a time) that has run every prompt of
+/// [`prompts`] to completion at temperature 0.7, and the outputs by request.
+fn run_prompts(model: Transformer) -> (Engine, Vec<Output>) {
     let mut e = Engine::new(
-        b.model,
+        model,
         0,
-        Some(tok.clone()),
+        Some(Tokenizer::char_level()),
         EngineConfig {
             max_num_seqs: 4,
             ..Default::default()
         },
     );
-    assert_eq!(e.kernels(), "candle", "the CPU kernels are f32-only");
     for (i, p) in prompts().into_iter().enumerate() {
         e.add(p, params(i, 0.7)).unwrap();
     }
     let outs = by_id(e.run_to_completion().unwrap());
+    (e, outs)
+}
+
+/// bf16 weights (the candle path, as on a GPU in bf16): the engine batches them, its
+/// logprobs match the same model's recompute as closely as bf16 rounding of the
+/// different batch shapes allows, and a weight swap loads a checkpoint into bf16.
+#[test]
+fn bf16_weights_decode_and_swap() {
+    let (dir, _) = saved_tiny();
+    let b = checkpoint::load_as(dir.path(), &Device::Cpu, candle_core::DType::BF16).unwrap();
+    let (mut e, outs) = run_prompts(b.model);
+    assert_eq!(e.kernels(), "candle", "the CPU kernels are f32-only");
     for (o, p) in outs.iter().zip(prompts()) {
         let lp = recompute(e.model(), &p, &o.tokens, 0.7);
         for (k, got) in o.logprobs.iter().enumerate() {
@@ -570,30 +584,14 @@ fn bf16_weights_decode_and_swap() {
 fn bf16_products_decode_on_the_cpu_kernels_and_swap() {
     use streamrl_kernels::bf16::Products;
     onednn::fetch();
-    let tok = Tokenizer::char_level();
-    let hf = config::preset("tiny", tok.vocab_size()).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let f = checkpoint::init_seeded(&hf, &Device::Cpu, Some(3)).unwrap();
-    checkpoint::save(dir.path(), &hf, &f.vars, Some(&tok), None).unwrap();
+    let (dir, f) = saved_tiny();
     let b = checkpoint::load_in(dir.path(), &Device::Cpu, streamrl_model::device::Precision::Bf16).unwrap();
     assert_eq!(
         (b.model.dtype(), b.model.products()),
         (candle_core::DType::F32, Products::Bf16)
     );
-    let mut e = Engine::new(
-        b.model,
-        0,
-        Some(tok.clone()),
-        EngineConfig {
-            max_num_seqs: 4,
-            ..Default::default()
-        },
-    );
+    let (mut e, outs) = run_prompts(b.model);
     assert_eq!(e.kernels(), "cpu");
-    for (i, p) in prompts().into_iter().enumerate() {
-        e.add(p, params(i, 0.7)).unwrap();
-    }
-    let outs = by_id(e.run_to_completion().unwrap());
     let mut worst = 0f32;
     for (o, p) in outs.iter().zip(prompts()) {
         // Recomputed in f32: the trainer's view of the same tokens.
