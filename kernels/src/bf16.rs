@@ -163,7 +163,8 @@ pub fn gemm_new(a: View<'_>, b: View<'_>, scale: f32) -> Vec<f32> {
 /// version), in the memory order it had, and reordered once more into the blocked layout
 /// oneDNN's kernels read (packed: otherwise every product repacks it, which costs as much
 /// as the product itself for the few rows of a decode step; measured 2.4–2.8× at 1 row,
-/// 1.2–1.5× at 32). On the fallback path it keeps the f32 values.
+/// 1.2–1.5× at 32; the plain copy is then dropped). On the fallback path it keeps the f32
+/// values.
 #[derive(Debug, Clone)]
 pub struct Matrix {
     rows: usize,
@@ -199,6 +200,10 @@ impl Matrix {
             .then(|| lib.pack(rows, cols, order, &bf16).ok())
             .flatten()
             .map(std::sync::Arc::new);
+        if packed.is_some() {
+            // Products read the packed copy only: the plain one would double the memory.
+            bf16 = Vec::new();
+        }
         Matrix {
             rows,
             cols,
