@@ -5,6 +5,8 @@
 #                                     # stripped and xz-packed, with the CUDA runtime beside it,
 #                                     # in target/gpu-check
 #   scripts/gpu-check.sh run [DIR]    # on the GPU machine (no Rust there): runs DIR/streamrl
+#   scripts/gpu-check.sh rl GGUF [DIR] # on the GPU machine: topologies/smollm2.yaml end to end
+#                                     # on cuda:0 (SFT, rollout, trainer) from the SmolLM2 GGUF
 #
 # `run` prints the GPU, then `streamrl bench gpu`'s one table: the fused RL kernels' parity
 # with their CPU references (values and gradients; it exits non-zero if one fails) and their
@@ -31,7 +33,12 @@ build)
     ls -la "$out"
     du -sh "$out"
     ;;
-run)
+run | rl)
+    what=$1
+    if [[ $what == rl ]]; then
+        gguf=${2:?usage: scripts/gpu-check.sh rl GGUF [DIR]}
+        shift
+    fi
     dir=${2:-$out}
     shift $(( $# > 1 ? 2 : 1 ))
     # libcudart from beside the binary; cuBLAS, cuRAND and NVRTC (opened at run time by
@@ -55,7 +62,22 @@ PY
     fi
     export LD_LIBRARY_PATH="$dir:/usr/local/cuda/lib64:${torch_libs}:${LD_LIBRARY_PATH:-}"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-    "$bin" bench gpu --device cuda:0 --dtype bf16 --preset tiny,small,smollm2 "$@"
+    if [[ $what == run ]]; then
+        "$bin" bench gpu --device cuda:0 --dtype bf16 --preset tiny,small,smollm2 "$@"
+        exit
+    fi
+    # The SmolLM2 recipe with every model on the GPU, from a fresh import, then the final
+    # policy's greedy accuracy on 200 held-out problems (as the README's CPU run).
+    rm -rf runs/smollm2
+    "$bin" model import --gguf "$gguf" --out runs/smollm2/base
+    cuda=(--set sft.device=cuda --set stages.rollout.config.device=cuda
+        --set stages.trainer.config.train.device=cuda "$@")
+    start=$SECONDS
+    "$bin" run -t topologies/smollm2.yaml "${cuda[@]}"
+    echo "run: $((SECONDS - start)) s wall"
+    last=$(ls -d runs/smollm2/checkpoints/step-* | sort | tail -1)
+    "$bin" eval -t topologies/smollm2.yaml --env arith --checkpoint "$last" \
+        --n 200 --k 4 --max-tokens 32 --device cuda --dtype bf16
     ;;
 *)
     sed -n '2,12p' "$0"

@@ -91,7 +91,11 @@ impl Summary {
             name::MASKED_LOW,
             name::MASKED_HIGH,
             name::STEP_SECONDS,
+            name::MOE_MAX_LOAD,
         ] {
+            if k == name::MOE_MAX_LOAD && first.iter().all(|m| !m.contains_key(k)) {
+                continue;
+            }
             eprintln!(
                 "{:<28} {:>12.4} {:>12.4}",
                 k,
@@ -137,7 +141,7 @@ impl Summary {
             .collect();
         let heldout = e.get(name::HELDOUT_ACCURACY).copied();
         let line = format!(
-            "step {step:>4}{} reward {:.3} loss {:+.4} entropy {:.3} kl {:.4} masked {:.3}/{:.3} trained {:>3}/{:<3} staleness [{}] {:.2} s/step {secs:.0} s{}",
+            "step {step:>4}{} reward {:.3} loss {:+.4} entropy {:.3} kl {:.4} masked {:.3}/{:.3}{} trained {:>3}/{:<3} staleness [{}] {:.2} s/step {secs:.0} s{}",
             max_steps.map(|m| format!("/{m}")).unwrap_or_default(),
             g(name::REWARD_MEAN),
             g(name::LOSS),
@@ -145,6 +149,10 @@ impl Summary {
             g(name::MISMATCH_KL),
             g(name::MASKED_LOW),
             g(name::MASKED_HIGH),
+            // MoE: the most loaded expert over the mean (the worst layer's).
+            e.get(name::MOE_MAX_LOAD)
+                .map(|m| format!(" moe {m:.2}"))
+                .unwrap_or_default(),
             g(name::SAMPLES_TRAINED),
             g(name::SAMPLES),
             stale.join(" "),

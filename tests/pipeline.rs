@@ -221,6 +221,100 @@ fn run_warm_starts_then_trains_through_every_stage_and_archives_the_lineage() {
     );
 }
 
+/// A mixture-of-experts policy (`tiny-moe`: 8 experts, 2 per token) through SFT and every
+/// stage: the trainer publishes each MoE layer's load per expert, imbalance, router
+/// entropy and z-loss per step, the progress line shows the worst load, and the report
+/// draws the load heat map.
+#[test]
+fn a_mixture_of_experts_policy_trains_through_every_stage_with_its_expert_load_published() {
+    let dir = tempfile::tempdir().unwrap();
+    let topology = TOPOLOGY
+        .replace(
+            "sft: { out: run/sft, steps: 20, batch: 32 }",
+            "sft: { out: run/sft, steps: 20, batch: 32, preset: tiny-moe }",
+        )
+        .replace(
+            "eval_problems: 20,",
+            "eval_problems: 20, train: { balance_coef: 0.01, router_z_coef: 0.001 },",
+        );
+    std::fs::write(dir.path().join("topology.yaml"), topology).unwrap();
+    let (ok, out, err) = streamrl(dir.path(), &["run"]);
+    assert!(ok, "run failed:\n{out}\n{err}");
+    assert!(err.contains("trainer reached max_steps 3"), "{err}");
+    let step3 = err
+        .lines()
+        .find(|l| l.starts_with("step    3/3"))
+        .unwrap_or_else(|| panic!("no step 3:\n{err}"));
+    let moe: f64 = step3
+        .split(" moe ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no moe figure on the progress line: {step3}"));
+    assert!((1.0..=4.0).contains(&moe), "{step3}");
+    let q = |sql: &str| {
+        let (ok, out, err) = streamrl(dir.path(), &["query", sql, "--format", "csv"]);
+        assert!(ok, "{sql}: {err}");
+        out.lines().skip(1).map(str::to_string).collect::<Vec<_>>()
+    };
+    // The checkpoint is a MoE one.
+    let config = std::fs::read_to_string(dir.path().join("run/checkpoints/step-000003/config.json")).unwrap();
+    assert!(
+        config.contains("\"num_experts\": 8") || config.contains("\"num_experts\":8"),
+        "{config}"
+    );
+    // Per step and layer (2 layers): 8 load shares summing to 1, and the other figures.
+    assert_eq!(
+        q(
+            "SELECT step, count(*), round(sum(value), 4) FROM metrics WHERE stage = 'trainer' AND name LIKE 'moe/%/load/%' \
+           GROUP BY step ORDER BY step"
+        ),
+        ["1,16,2.0", "2,16,2.0", "3,16,2.0"]
+    );
+    for figure in ["imbalance", "router_entropy", "z_loss"] {
+        assert_eq!(
+            q(&format!(
+                "SELECT count(*), min(value) >= 0 FROM metrics WHERE stage = 'trainer' AND name LIKE 'moe/%/{figure}'"
+            )),
+            ["6,true"],
+            "{figure}"
+        );
+    }
+    // The router's entropy is at most ln 8 and the worst load at least the mean.
+    assert_eq!(
+        q("SELECT max(value) <= ln(8.0) + 1e-4 FROM metrics WHERE name LIKE 'moe/%/router_entropy'"),
+        ["true"]
+    );
+    assert_eq!(
+        q("SELECT count(*), min(value) >= 1 FROM metrics WHERE stage = 'trainer' AND name = 'moe_max_load'"),
+        ["3,true"]
+    );
+    // Samples went through every stage.
+    let joined: usize = q(
+        "SELECT count(*) FROM rollouts r JOIN scored s ON r.sample_id = s.sample_id \
+                           JOIN samples m ON m.sample_id = r.sample_id",
+    )[0]
+    .parse()
+    .unwrap();
+    assert!(joined >= 24, "{joined}");
+    // The report draws the heat map.
+    let (ok, out, err) = streamrl(dir.path(), &["report", "--run", "run"]);
+    assert!(ok, "{out}{err}");
+    let report = dir.path().join("run/report");
+    assert!(
+        std::fs::read_to_string(report.join("index.html"))
+            .unwrap()
+            .contains("moe-load.svg")
+    );
+    let svg = std::fs::read_to_string(report.join("moe-load.svg")).unwrap();
+    assert!(svg.contains("layer 0") && svg.contains("layer 1"), "{svg}");
+    assert!(
+        std::fs::read(report.join("moe-load.png"))
+            .unwrap()
+            .starts_with(b"\x89PNG")
+    );
+}
+
 /// Multi-turn tool use through the whole pipeline: a short SFT teaches the tiny model the
 /// tool format; the rollout stage stops at `</python>`, the sandbox stage runs the call in a
 /// real sandbox and sends its output back on `continuations`, the rollout stage generates

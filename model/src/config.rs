@@ -581,9 +581,23 @@ pub fn preset(name: &str, vocab: usize) -> Result<HfConfig> {
                 ..Default::default()
             });
         }
+        // A mixture of experts with tiny's active width: 8 experts of 192 per layer, 2 per
+        // token (2 × 192 = tiny's 384), renormalised softmax routing (as Qwen3-MoE). The
+        // load-balance loss enters at the trainer's `balance_coef` (its coefficient here
+        // is 1).
+        "tiny-moe" => {
+            let mut c = preset("tiny", vocab)?;
+            c.model_type = Some("qwen3_moe".into());
+            c.num_experts = Some(8);
+            c.num_experts_per_tok = Some(2);
+            c.moe_intermediate_size = Some(192);
+            c.norm_topk_prob = Some(true);
+            c.router_aux_loss_coef = Some(1.0);
+            return Ok(c);
+        }
         other => {
             return Err(Error::Config(vec![format!(
-                "unknown preset `{other}` (tiny, small, smollm2)"
+                "unknown preset `{other}` (tiny, tiny-moe, small, smollm2)"
             )]));
         }
     };

@@ -10,6 +10,8 @@ use streamrl_model::checkpoint;
 use streamrl_model::config::{HfConfig, RopeLayout, RouterScore, preset};
 use streamrl_model::generate::{Sampling, generate};
 use streamrl_model::loss::{self, LossInputs, LossKind};
+use streamrl_model::model::LayerMemory;
+use streamrl_model::offload::OffloadStats;
 use streamrl_model::optim::{Optimizer, OptimizerConfig, OptimizerKind};
 use streamrl_model::{Packed, Transformer, token_logprobs};
 
@@ -160,13 +162,50 @@ fn activation_checkpointing_gives_the_same_gradients() {
         let diff = max_abs_diff;
         assert!(diff(&logits, &plain_logits) < 1e-6, "{name}: logits differ");
         assert_eq!(aux.moe.len(), plain_aux.moe.len());
+        let layers = loaded.model.config().n_layers;
+        // The other ways of keeping activations, offloading included (on the CPU every
+        // stashed storage is taken out of its tensors and put back before the backward
+        // that reads it: a tensor not put back fails the op that reads it).
+        let mut ways = vec![("checkpointing", ckpt, OffloadStats::default())];
+        for (how, checkpoint, offload) in [
+            ("graphs kept by layer", false, false),
+            ("offloading", false, true),
+            ("checkpointing + offloading", true, true),
+        ] {
+            let memory = LayerMemory { checkpoint, offload };
+            let (g, logits, _, stats) = loaded
+                .model
+                .backward_by_layer(&batch, None, 1.0, memory, |lg| Ok(rl_loss_of(lg, &batch, None)))
+                .unwrap();
+            assert!(diff(&logits, &plain_logits) < 1e-6, "{name}: logits differ ({how})");
+            match (checkpoint, offload) {
+                // Each layer's input but the first (the embedding's) and the last.
+                (true, true) => assert_eq!(stats.tensors, layers - 1, "{name}: {how} moved {stats:?}"),
+                // Several saved tensors per layer (the fused CPU layer saves fewer than
+                // the op-by-op one), more bytes than the layers' inputs.
+                (false, true) => {
+                    let inputs = (layers * batch.tokens.elem_count() * loaded.model.config().d_model * 4) as u64;
+                    assert!(
+                        stats.tensors >= 2 * layers && stats.bytes >= 2 * inputs,
+                        "{name}: {how} moved only {stats:?}"
+                    );
+                }
+                _ => assert_eq!(stats, OffloadStats::default()),
+            }
+            ways.push((how, g, stats));
+        }
         let data = loaded.vars.data().lock().unwrap();
-        for (k, v) in data.iter() {
-            let (a, b) = (plain.get(v.as_tensor()).unwrap(), ckpt.get(v.as_tensor()));
-            let b = b.unwrap_or_else(|| panic!("{name}: {k} got no gradient with checkpointing"));
-            let scale = max_abs(a).max(1e-6);
-            let d = diff(a, b);
-            assert!(d <= 1e-4 * scale.max(1.0), "{name}: {k} differs by {d} (scale {scale})");
+        for (how, g, _) in &ways {
+            for (k, v) in data.iter() {
+                let (a, b) = (plain.get(v.as_tensor()).unwrap(), g.get(v.as_tensor()));
+                let b = b.unwrap_or_else(|| panic!("{name}: {k} got no gradient with {how}"));
+                let scale = max_abs(a).max(1e-6);
+                let d = diff(a, b);
+                assert!(
+                    d <= 1e-4 * scale.max(1.0),
+                    "{name}: {k} differs by {d} with {how} (scale {scale})"
+                );
+            }
         }
     }
 }

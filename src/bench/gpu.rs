@@ -2,9 +2,11 @@
 //! GPU machine). On one device and dtype: the fused RL kernels' parity with their
 //! references and their achieved bandwidth against the op-by-op versions; then, per model
 //! shape, training tokens/s (forward, logprobs, loss, backward, AdamW) and decode tokens/s
-//! of the engine at batch 1 and 32, each against PyTorch + transformers
-//! `LlamaForCausalLM` on the same device and dtype when a python3 imports them. Exits
-//! non-zero when a parity check fails. Runs on the CPU too (`--device cpu --dtype f32`).
+//! of the engine at batch 1 and 64, each against PyTorch + transformers
+//! `LlamaForCausalLM` on the same device and dtype when a python3 imports them; then the
+//! ways a training step can keep its activations (all, checkpointing, offloading, both):
+//! peak device memory and step time. Exits non-zero when a parity check fails. Runs on
+//! the CPU too (`--device cpu --dtype f32`; no memory figures there).
 
 use std::time::Instant;
 
@@ -26,7 +28,7 @@ pub struct GpuArgs {
     /// Weights' dtype.
     #[arg(long, default_value = "bf16")]
     dtype: Precision,
-    /// Model shapes (presets): tiny, small, smollm2.
+    /// Model shapes (presets): tiny, tiny-moe, small, smollm2.
     #[arg(long, value_delimiter = ',', default_value = "tiny,small,smollm2")]
     preset: Vec<String>,
     /// Training batch: sequences × tokens per step.
@@ -44,6 +46,18 @@ pub struct GpuArgs {
     /// Rows of the kernels' throughput shapes (positions × a 49152 vocabulary).
     #[arg(long, default_value_t = 512)]
     rows: usize,
+    /// Decode batches (sequences at once).
+    #[arg(long, value_delimiter = ',', default_value = "1,64")]
+    decode_batch: Vec<usize>,
+    /// The activation-memory comparison's shape (a preset; empty: skip it).
+    #[arg(long, default_value = "smollm2")]
+    memory_preset: String,
+    /// Its batch: sequences × tokens per step.
+    #[arg(long, default_value_t = 8)]
+    memory_batch: usize,
+    /// Its tokens per sequence.
+    #[arg(long, default_value_t = 1024)]
+    memory_seq: usize,
 }
 
 /// The vocabulary of every shape: SmolLM2's (the head is a fifth of its compute).
@@ -97,6 +111,10 @@ pub fn run(a: GpuArgs) -> Result<()> {
     kernels(&device, a.rows)?;
     println!();
     models(&a, &device)?;
+    if !a.memory_preset.is_empty() {
+        println!();
+        memory(&a, &device)?;
+    }
     let failed = checks.iter().filter(|c| !c.ok()).count();
     if failed > 0 {
         bail!("{failed} kernel parity check(s) failed (the rows marked NO)");
@@ -275,41 +293,35 @@ fn models(a: &GpuArgs, d: &Device) -> Result<()> {
             Ok(())
         })?;
         let train = n as f64 / step;
-        let decode = vec![
-            decode_rate(&l.model, 1, a.tokens)?,
-            decode_rate(&l.model, 32, a.tokens)?,
-        ];
+        let decode = a
+            .decode_batch
+            .iter()
+            .map(|&b| decode_rate(&l.model, b, a.tokens))
+            .collect::<Result<Vec<_>>>()?;
         ours.push((p.clone(), hf, params, train, decode));
     }
     let torch = torch_rates(a, &ours.iter().map(|o| o.1.clone()).collect::<Vec<_>>())?;
-    println!(
-        "{:<8} {:>7} {:>14} {:>11} {:>6} {:>13} {:>11} {:>6} {:>14} {:>11} {:>6}",
-        "shape",
-        "params",
-        "train tok/s",
-        "torch",
-        "ratio",
-        "decode b1",
-        "torch",
-        "ratio",
-        "decode b32",
-        "torch",
-        "ratio"
+    let mut head = format!(
+        "{:<8} {:>7} {:>12} {:>11} {:>6}",
+        "shape", "params", "train tok/s", "torch", "ratio"
     );
+    for b in &a.decode_batch {
+        head += &format!(" {:>13} {:>11} {:>6}", format!("decode b{b}"), "torch", "ratio");
+    }
+    println!("{head}");
     for (i, (p, _, params, train, decode)) in ours.iter().enumerate() {
-        let t = torch.as_ref().map(|t| t[i]).unwrap_or([f64::NAN; 3]);
-        println!(
-            "{p:<8} {:>6.1}M {train:>14.0} {:>11.0} {:>5.2}× {:>13.0} {:>11.0} {:>5.2}× {:>14.0} {:>11.0} {:>5.2}×",
+        let t = torch.as_ref().map(|t| t[i].clone()).unwrap_or_default();
+        let at = |j: usize| t.get(j).copied().unwrap_or(f64::NAN);
+        let mut line = format!(
+            "{p:<8} {:>6.1}M {train:>12.0} {:>11} {:>6}",
             *params as f64 / 1e6,
-            t[0],
-            train / t[0],
-            decode[0],
-            t[1],
-            decode[0] / t[1],
-            decode[1],
-            t[2],
-            decode[1] / t[2]
+            shown(at(0)),
+            ratio(*train, at(0))
         );
+        for (j, d) in decode.iter().enumerate() {
+            line += &format!(" {d:>13.0} {:>11} {:>6}", shown(at(j + 1)), ratio(*d, at(j + 1)));
+        }
+        println!("{line}");
     }
     println!(
         "train: {}×{} tokens per step, SFT loss, AdamW{} (best of {}); decode: greedy, {} new tokens after 16-token prompts.",
@@ -333,12 +345,151 @@ fn models(a: &GpuArgs, d: &Device) -> Result<()> {
     Ok(())
 }
 
+/// One way's (peak GB above the start, best step seconds, bytes offloaded per step).
+fn measure_way(
+    model: &Transformer,
+    batch: &Packed,
+    way: Option<streamrl_model::model::LayerMemory>,
+    d: &Device,
+    steps: usize,
+) -> Result<(f64, f64, u64)> {
+    use streamrl_model::offload::{peak_device_memory, reset_peak_device_memory};
+    let mut moved = 0u64;
+    let mut step = || -> Result<()> {
+        match way {
+            None => {
+                let (logits, _) = model.forward(batch)?;
+                super::train::sft_loss(&logits, batch)?.backward()?;
+            }
+            Some(m) => {
+                let (_, _, _, stats) =
+                    model.backward_by_layer(batch, None, 0.0, m, |lg| super::train::sft_loss(lg, batch))?;
+                moved = stats.bytes;
+            }
+        }
+        Ok(())
+    };
+    step()?;
+    sync(d)?;
+    reset_peak_device_memory(d)?;
+    let before = peak_device_memory(d)?;
+    step()?;
+    sync(d)?;
+    let peak = match (peak_device_memory(d)?, before) {
+        (Some(p), Some(b)) => p.saturating_sub(b) as f64 / 1e9,
+        _ => f64::NAN,
+    };
+    let secs = time(d, steps, &mut step)?;
+    Ok((peak, secs, moved))
+}
+
+/// A measured figure, or `–` where it was not measured.
+fn shown(x: f64) -> String {
+    if x.is_finite() { format!("{x:.0}") } else { "–".into() }
+}
+
+fn ratio(ours: f64, theirs: f64) -> String {
+    if theirs.is_finite() && theirs > 0.0 {
+        format!("{:.2}×", ours / theirs)
+    } else {
+        "–".into()
+    }
+}
+
+/// One training step (forward, SFT loss, backward; no optimizer) per way of keeping
+/// activations, at the memory preset's shape: the peak of device memory in use during the
+/// step (above what the weights and batch already hold) and the best step time.
+fn memory(a: &GpuArgs, d: &Device) -> Result<()> {
+    use streamrl_model::model::LayerMemory;
+    let hf = shape(&a.memory_preset)?;
+    let init = checkpoint::init(&hf, &Device::Cpu)?;
+    let dir = tempfile::tempdir()?;
+    checkpoint::save(dir.path(), &hf, &init.vars, None, None)?;
+    let l = checkpoint::load_in(dir.path(), d, a.dtype)?;
+    let rows: Vec<Vec<Vec<u32>>> = (0..a.memory_batch)
+        .map(|r| vec![(0..a.memory_seq).map(|i| ((r * 7 + i * 13) % VOCAB) as u32).collect()])
+        .collect();
+    let batch = Packed::new(&rows, d)?;
+    let ways: [(&str, Option<LayerMemory>); 5] = [
+        ("all kept (plain backward)", None),
+        (
+            "all kept, layer by layer",
+            Some(LayerMemory {
+                checkpoint: false,
+                offload: false,
+            }),
+        ),
+        (
+            "offloaded",
+            Some(LayerMemory {
+                checkpoint: false,
+                offload: true,
+            }),
+        ),
+        (
+            "checkpointed",
+            Some(LayerMemory {
+                checkpoint: true,
+                offload: false,
+            }),
+        ),
+        (
+            "checkpointed + offloaded",
+            Some(LayerMemory {
+                checkpoint: true,
+                offload: true,
+            }),
+        ),
+    ];
+    println!(
+        "{:<28} {:>12} {:>8} {:>10} {:>7} {:>12}",
+        format!("activations ({}, {}×{})", a.memory_preset, a.memory_batch, a.memory_seq),
+        "peak GB",
+        "vs all",
+        "step ms",
+        "vs all",
+        "offloaded GB"
+    );
+    let mut base: Option<(f64, f64)> = None;
+    for (name, way) in ways {
+        let (peak, secs, moved) = match measure_way(&l.model, &batch, way, d, a.steps) {
+            Ok(m) => m,
+            Err(e) => {
+                println!("{name:<28} failed: {e:#}");
+                continue;
+            }
+        };
+        let (p0, s0) = *base.get_or_insert((peak, secs));
+        println!(
+            "{name:<28} {:>12} {:>8} {:>10.1} {:>6.2}× {:>12.2}",
+            if peak.is_finite() {
+                format!("{peak:.2}")
+            } else {
+                "–".into()
+            },
+            if peak.is_finite() {
+                format!("{:.0} %", 100.0 * peak / p0)
+            } else {
+                "–".into()
+            },
+            secs * 1e3,
+            secs / s0,
+            moved as f64 / 1e9
+        );
+    }
+    println!(
+        "peak GB: device memory in use at the step's highest, above what the weights and batch hold (the default memory pool's high mark); step: forward, SFT loss, backward, best of {}.",
+        a.steps
+    );
+    Ok(())
+}
+
 /// The PyTorch side of the model comparison (argv: device, dtype, batch, seq, steps,
-/// tokens, then one JSON shape each).
+/// tokens, decode batches, then one JSON shape each).
 const TORCH_SCRIPT: &str = include_str!("gpu_torch.py");
 
-/// PyTorch's [train, decode b1, decode b32] tokens/s per shape, or `None` without torch.
-fn torch_rates(a: &GpuArgs, shapes: &[HfConfig]) -> Result<Option<Vec<[f64; 3]>>> {
+/// PyTorch's [train, decode at each batch] tokens/s per shape, or `None` without torch.
+fn torch_rates(a: &GpuArgs, shapes: &[HfConfig]) -> Result<Option<Vec<Vec<f64>>>> {
     let Some(pythonpath) = super::generate::torch_python() else {
         return Ok(None);
     };
@@ -349,6 +500,11 @@ fn torch_rates(a: &GpuArgs, shapes: &[HfConfig]) -> Result<Option<Vec<[f64; 3]>>
         a.seq.to_string(),
         a.steps.to_string(),
         a.tokens.to_string(),
+        a.decode_batch
+            .iter()
+            .map(|b| b.to_string())
+            .collect::<Vec<_>>()
+            .join(","),
     ];
     args.extend(shapes.iter().map(|s| {
         serde_json::json!({
@@ -371,7 +527,11 @@ fn torch_rates(a: &GpuArgs, shapes: &[HfConfig]) -> Result<Option<Vec<[f64; 3]>>
     Ok(Some(
         lines
             .iter()
-            .map(|l| [get(l, "train"), get(l, "b1"), get(l, "b32")])
+            .map(|l| {
+                std::iter::once(get(l, "train"))
+                    .chain(a.decode_batch.iter().map(|b| get(l, &format!("b{b}"))))
+                    .collect()
+            })
             .collect(),
     ))
 }

@@ -1,16 +1,18 @@
 # `streamrl bench gpu`'s PyTorch baseline: a transformers LlamaForCausalLM of each shape
-# (JSON in argv[7:]) on the same device and dtype; prints one JSON line per shape with
-# training tokens/s (best of `steps`, AdamW) and greedy decode tokens/s at batch 1 and 32.
+# (JSON in argv[8:]) on the same device and dtype; prints one JSON line per shape with
+# training tokens/s (best of `steps`, AdamW) and greedy decode tokens/s at each decode
+# batch (argv[7], comma-separated).
 import json, sys, time, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 device, dtype = sys.argv[1], {"bf16": torch.bfloat16, "f32": torch.float32}[sys.argv[2]]
 batch, seq, steps, tokens = map(int, sys.argv[3:7])
+decode_batches = [int(b) for b in sys.argv[7].split(",")]
 if device == "cpu":
     torch.set_num_threads(1)
 def sync():
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-for spec in map(json.loads, sys.argv[7:]):
+for spec in map(json.loads, sys.argv[8:]):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["d"], intermediate_size=spec["ff"],
                       num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
@@ -30,7 +32,7 @@ for spec in map(json.loads, sys.argv[7:]):
             best = min(best, time.perf_counter() - t0)
     out = {"train": batch * seq / best}
     m.eval()
-    for b in (1, 32):
+    for b in decode_batches:
         p = torch.tensor([[(s + i * 7) % v for i in range(16)] for s in range(b)], device=device)
         kw = dict(max_new_tokens=tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
         with torch.no_grad():

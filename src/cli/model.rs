@@ -10,7 +10,7 @@ use streamrl_model::{Tokenizer, checkpoint, config};
 pub enum ModelCmd {
     /// Write a randomly initialised checkpoint of a named size (with the character tokenizer).
     Init {
-        /// tiny (d128, 2 layers) or small (d256, 4 layers).
+        /// tiny (d128, 2 layers), tiny-moe (tiny with 8 experts, 2 per token), small (d256, 4 layers) or smollm2.
         #[arg(long, default_value = "tiny")]
         preset: String,
         /// Output directory (HF layout: config.json, model.safetensors, tokenizer.json).

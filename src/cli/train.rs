@@ -55,7 +55,7 @@ pub struct SftArgs {
     /// Start from this checkpoint (default: a fresh model of `--preset`).
     #[arg(long)]
     checkpoint: Option<PathBuf>,
-    /// Size of a fresh model: tiny, small or smollm2 (a named preset).
+    /// Size of a fresh model: tiny, tiny-moe, small or smollm2 (a named preset).
     #[arg(long, default_value = "tiny")]
     preset: String,
     /// Optimizer steps.
@@ -280,7 +280,7 @@ pub struct SftSpec {
     /// Start from this checkpoint instead of a fresh model.
     #[serde(default)]
     pub checkpoint: Option<PathBuf>,
-    /// Fresh model size (tiny, small or smollm2).
+    /// Fresh model size (tiny, tiny-moe, small or smollm2).
     #[serde(default = "tiny")]
     pub preset: String,
     /// Optimizer steps.

@@ -281,7 +281,7 @@ impl Frame {
                     y: self.sy(y),
                     w: bw,
                     h: (self.sy(self.y0) - self.sy(y)).max(0.0),
-                    color,
+                    color: color.into(),
                 });
             }
         } else {
@@ -301,7 +301,7 @@ impl Frame {
             y: self.t - 8.0,
             w: 10.0,
             h: 10.0,
-            color,
+            color: color.into(),
         });
         s.push(Shape::Text {
             x: self.l + 24.0 + 150.0 * k as f64,
@@ -311,6 +311,112 @@ impl Frame {
             text: name.to_string(),
         });
     }
+}
+
+/// Every MoE layer's load per expert per step (`moe/<layer>/load/<expert>` rows), as
+/// series named `<layer>/<expert>`.
+fn moe_load_sql() -> String {
+    format!(
+        "SELECT replace(replace(name, '{p}', ''), '/load/', '/') AS series, step AS x, value AS y FROM metrics \
+         WHERE stage = 'trainer' AND name LIKE '{p}%/load/%' ORDER BY step",
+        p = name::MOE_PREFIX
+    )
+}
+
+/// A heat map per MoE layer, stacked: steps across, experts down, each cell coloured by
+/// the expert's load over the mean load (white at the mean, blue below, red at 2× and
+/// above).
+fn moe_heatmap(title: &str, loads: &Series) -> Scene {
+    let key = |s: &str| -> Option<(usize, usize)> {
+        let (l, e) = s.split_once('/')?;
+        Some((l.parse().ok()?, e.parse().ok()?))
+    };
+    // (layer, expert, its (step, share) points).
+    type Cell<'a> = (usize, usize, &'a [(f64, f64)]);
+    let cells: Vec<Cell> = loads
+        .iter()
+        .filter_map(|(n, v)| key(n).map(|(l, e)| (l, e, v.as_slice())))
+        .collect();
+    let layers = cells.iter().map(|c| c.0).max().map_or(0, |m| m + 1);
+    let experts = cells.iter().map(|c| c.1).max().map_or(0, |m| m + 1);
+    let steps: Vec<f64> = {
+        let mut s: Vec<f64> = cells.iter().flat_map(|c| c.2.iter().map(|p| p.0)).collect();
+        s.sort_by(f64::total_cmp);
+        s.dedup();
+        s
+    };
+    let (w, l, r, t, row, gap) = (720.0, 90.0, 20.0, 40.0, 12.0, 28.0);
+    let panel = row * experts as f64;
+    let h = t + layers as f64 * (panel + gap) + 30.0;
+    let mut s = Scene::new(w, h);
+    s.push(Shape::Text {
+        x: w / 2.0,
+        y: 22.0,
+        size: 13.0,
+        anchor: "middle",
+        text: title.to_string(),
+    });
+    let (x0, x1) = (
+        steps.first().copied().unwrap_or(0.0),
+        steps.last().copied().unwrap_or(1.0),
+    );
+    let span = (x1 - x0).max(1.0);
+    let cw = ((w - l - r) / steps.len().max(1) as f64).max(0.5);
+    let sx = |x: f64| l + (x - x0) / span * (w - l - r - cw);
+    for layer in 0..layers {
+        let top = t + layer as f64 * (panel + gap);
+        s.push(Shape::Text {
+            x: l - 8.0,
+            y: top + panel / 2.0 + 4.0,
+            size: 12.0,
+            anchor: "end",
+            text: format!("layer {layer}"),
+        });
+        for &(_, e, v) in cells.iter().filter(|c| c.0 == layer) {
+            for &(x, y) in v {
+                s.push(Shape::Rect {
+                    x: sx(x),
+                    y: top + e as f64 * row,
+                    w: cw + 0.3,
+                    h: row,
+                    color: load_color(y * experts as f64).into(),
+                });
+            }
+        }
+        for (x, text) in [(l, format!("step {x0:.0}")), (w - r, format!("step {x1:.0}"))] {
+            s.push(Shape::Text {
+                x,
+                y: top + panel + 14.0,
+                size: 11.0,
+                anchor: if x == l { "start" } else { "end" },
+                text,
+            });
+        }
+    }
+    s.push(Shape::Text {
+        x: w / 2.0,
+        y: h - 8.0,
+        size: 11.0,
+        anchor: "middle",
+        text: format!(
+            "rows: experts 0–{} per layer; white: the mean load, blue: none, red: 2× the mean or more",
+            experts.saturating_sub(1)
+        ),
+    });
+    s
+}
+
+/// The colour of a load `ratio` (1: the mean): white at 1, blending to blue at 0 and to
+/// red at 2 and above.
+fn load_color(ratio: f64) -> String {
+    let t = (ratio - 1.0).clamp(-1.0, 1.0);
+    let (to, f) = if t < 0.0 {
+        ([33.0, 102.0, 172.0], -t)
+    } else {
+        ([178.0, 24.0, 43.0], t)
+    };
+    let c = |i: usize| (255.0 + (to[i] - 255.0) * f).round() as u8;
+    format!("#{:02x}{:02x}{:02x}", c(0), c(1), c(2))
 }
 
 /// The labels of one axis's ticks, all with as many decimals (at most 3) as the one that
@@ -373,6 +479,23 @@ pub async fn report(a: ReportArgs) -> Result<PathBuf> {
             xml(&c.sql)
         );
     }
+    if sql.tables().iter().any(|t| t == "metrics") {
+        let q = moe_load_sql();
+        let loads = series(&sql, &q).await.context("query for moe-load.svg")?;
+        if !loads.is_empty() {
+            let title = "MoE expert load per step: each expert's share of its layer's tokens over the mean share";
+            let scene = moe_heatmap(title, &loads);
+            write_file(&out.join("moe-load.svg"), &scene.to_svg())?;
+            std::fs::write(out.join("moe-load.png"), scene.to_png()).context("writing moe-load.png")?;
+            let _ = write!(
+                html,
+                "<h2>{}</h2><img src=\"moe-load.svg\" alt=\"{}\"><p><a href=\"moe-load.png\">PNG</a></p><pre>{}</pre>",
+                xml(title),
+                xml(title),
+                xml(&q)
+            );
+        }
+    }
     html.push_str("<h2>Rows per topic</h2><table border=\"1\" cellpadding=\"4\"><tr><th>topic</th><th>rows</th></tr>");
     for t in sql.tables() {
         let n = sql.query(&format!("SELECT count(*) FROM \"{t}\"")).await?;
@@ -410,5 +533,20 @@ mod tests {
         assert_eq!(t(&[0.0, 2.5, 5.0, 7.5, 10.0]), ["0.0", "2.5", "5.0", "7.5", "10.0"]);
         assert_eq!(t(&[0.0, 1.0 / 3.0, 2.0 / 3.0]), ["0.000", "0.333", "0.667"]);
         assert_eq!(t(&[0.0, 2500.5, 5001.0]), ["0.0", "2500.5", "5001.0"]);
+    }
+
+    #[test]
+    fn the_load_heat_map_is_white_at_the_mean_and_draws_a_cell_per_layer_expert_and_step() {
+        assert_eq!(super::load_color(1.0), "#ffffff");
+        assert_eq!(super::load_color(0.0), "#2166ac");
+        assert_eq!(super::load_color(2.0), "#b2182b");
+        assert_eq!(super::load_color(7.0), "#b2182b");
+        // Two layers of 4 experts over 3 steps: 24 cells, in the SVG.
+        let loads: super::Series = (0..2)
+            .flat_map(|l| (0..4).map(move |e| (format!("{l}/{e}"), (0..3).map(|s| (s as f64, 0.25)).collect())))
+            .collect();
+        let svg = super::moe_heatmap("load", &loads).to_svg();
+        assert_eq!(svg.matches("fill=\"#ffffff\"").count(), 24, "{svg}");
+        assert!(svg.contains("layer 1") && !svg.contains("layer 2"));
     }
 }

@@ -22,7 +22,7 @@ pub enum Shape {
         y: f64,
         w: f64,
         h: f64,
-        color: &'static str,
+        color: std::borrow::Cow<'static, str>,
     },
     /// Connected line segments.
     Polyline {
@@ -149,7 +149,7 @@ mod tests {
             y: 10.0,
             w: 20.0,
             h: 30.0,
-            color: "#d62728",
+            color: "#d62728".into(),
         });
         s.push(Shape::Line {
             x1: 0.0,

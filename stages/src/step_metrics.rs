@@ -66,6 +66,13 @@ pub mod name {
     /// Mixture-of-experts load imbalance: the largest `(max tokens per expert − mean) /
     /// mean` over the step's MoE layers (only for MoE models).
     pub const MOE_IMBALANCE: &str = "moe_imbalance";
+    /// Mixture-of-experts: the most loaded expert's tokens over the mean, the largest over
+    /// the step's MoE layers (1: perfectly balanced; the progress line's `moe` figure).
+    pub const MOE_MAX_LOAD: &str = "moe_max_load";
+    /// `moe/<layer>/…`: one MoE layer's routing over the step: `load/<expert>` (the
+    /// expert's share of the layer's routed tokens), `imbalance`, `router_entropy`
+    /// (nats) and `z_loss`.
+    pub const MOE_PREFIX: &str = "moe/";
     /// `staleness_<k>`: samples `k` versions behind the trainer.
     pub const STALENESS_PREFIX: &str = "staleness_";
     /// Mean held-out greedy accuracy over the environments (every `eval_every` versions).
@@ -127,6 +134,8 @@ pub struct StepMetrics {
     pub tokens_per_s: f64,
     /// [`name::MOE_IMBALANCE`] (`None`: a dense model, no row).
     pub moe_imbalance: Option<f64>,
+    /// Per MoE layer ([`name::MOE_PREFIX`] and [`name::MOE_MAX_LOAD`]; empty: no rows).
+    pub moe: Vec<streamrl_model::MoeStats>,
     /// Samples by versions behind the trainer ([`name::STALENESS_PREFIX`]).
     pub staleness: BTreeMap<u64, u64>,
 }
@@ -168,6 +177,19 @@ impl StepMetrics {
         .collect();
         if let Some(v) = self.moe_imbalance {
             rows.push((name::MOE_IMBALANCE.to_string(), v));
+        }
+        if let Some(worst) = self.moe.iter().map(|m| m.max_load_ratio()).reduce(f32::max) {
+            rows.push((name::MOE_MAX_LOAD.to_string(), worst as f64));
+        }
+        for (l, m) in self.moe.iter().enumerate() {
+            let p = format!("{}{l}/", name::MOE_PREFIX);
+            let total = m.tokens_per_expert.iter().sum::<usize>().max(1) as f64;
+            for (e, &c) in m.tokens_per_expert.iter().enumerate() {
+                rows.push((format!("{p}load/{e}"), c as f64 / total));
+            }
+            rows.push((format!("{p}imbalance"), m.imbalance as f64));
+            rows.push((format!("{p}router_entropy"), m.router_entropy as f64));
+            rows.push((format!("{p}z_loss"), m.z_loss as f64));
         }
         for (k, c) in &self.staleness {
             rows.push((format!("{}{k}", name::STALENESS_PREFIX), *c as f64));

@@ -13,8 +13,11 @@ use serde::{Deserialize, Serialize};
 use streamrl_model::config::HfConfig;
 use streamrl_model::device::{DeviceSpec, Precision};
 use streamrl_model::loss::{self, LossInputs, LossKind};
+use streamrl_model::model::LayerMemory;
 use streamrl_model::optim::{LrSchedule, Optimizer, OptimizerConfig};
-use streamrl_model::{Packed, Tokenizer, Transformer, checkpoint, cores, token_logprobs_entropy};
+use streamrl_model::{
+    MoeStats, Packed, RouterCoefs, Tokenizer, Transformer, checkpoint, cores, token_logprobs_entropy,
+};
 
 /// The objective, as written in topology.yaml (`loss: {kind: masked_is, low: 0.5, ...}`):
 /// the model crate's [`LossKind`], which carries its own serde form and defaults.
@@ -38,10 +41,20 @@ pub struct TrainConfig {
     pub temperature: f32,
     /// Weight of the MoE load-balance loss (0 for dense models).
     pub balance_coef: f32,
+    /// Weight of the MoE router z-loss (`mean(logsumexp(router logits)²)` per layer, as
+    /// ST-MoE): keeps router logits small; 0 (default) leaves it out.
+    pub router_z_coef: f32,
     /// Recompute each layer in the backward instead of keeping its activations: lower
     /// peak memory for about one more forward per step (`streamrl bench train` measures
     /// both).
     pub activation_checkpointing: bool,
+    /// Move the activations a step keeps for its backward to pinned host memory during
+    /// the forward, on a second CUDA stream, and bring each layer's back one layer ahead
+    /// of its backward (overlapped with compute): device memory for activations falls to
+    /// about two layers' worth. With `activation_checkpointing`, what moves is each
+    /// layer's input. CUDA devices only (`streamrl bench gpu` measures peak memory and
+    /// step time with and without).
+    pub activation_offloading: bool,
     /// Where the model trains: `cpu` (default), `cuda` or `cuda:N` (a build with the
     /// `cuda` feature on a machine with an NVIDIA GPU).
     pub device: DeviceSpec,
@@ -70,7 +83,9 @@ impl Default for TrainConfig {
             micro_batch_tokens: 4096,
             temperature: 1.0,
             balance_coef: 0.01,
+            router_z_coef: 0.0,
             activation_checkpointing: false,
+            activation_offloading: false,
             device: DeviceSpec::Cpu,
             dtype: Precision::F32,
             cores: 0,
@@ -98,6 +113,15 @@ impl TrainConfig {
             p.push(Invalid::new(
                 "temperature",
                 format!("{} must be positive", self.temperature),
+            ));
+        }
+        if self.activation_offloading && !self.device.is_cuda() {
+            p.push(Invalid::new(
+                "activation_offloading",
+                format!(
+                    "moves activations from a CUDA device to host memory; device is `{}` (use `device: cuda`, or leave it off)",
+                    self.device
+                ),
             ));
         }
         if let LossConfig::MaskedIs { low, high, .. } = self.loss
@@ -171,6 +195,10 @@ pub struct StepReport {
     /// over the MoE layers and micro-batches of the step (0: perfectly balanced); `None`
     /// for a dense model.
     pub moe_imbalance: Option<f32>,
+    /// Mixture-of-experts routing per MoE layer over the whole step: tokens per expert
+    /// summed over micro-batches, the imbalance of those sums, and the router entropy and
+    /// z-loss averaged over micro-batches by their tokens. Empty for a dense model.
+    pub moe: Vec<MoeStats>,
     /// Clip fraction (clipped losses).
     pub clip_fraction: f32,
     /// Mean entropy of the trainer's next-token distributions on trainable tokens.
@@ -194,6 +222,32 @@ pub struct StepReport {
     pub rows: usize,
     /// Wall seconds.
     pub seconds: f64,
+}
+
+/// Adds one micro-batch's routing statistics (one per MoE layer) into the step's: tokens
+/// per expert summed, imbalance recomputed from the sums, entropy and z-loss averaged by
+/// routed tokens.
+fn add_routing(step: &mut Vec<MoeStats>, micro: &[MoeStats]) {
+    if step.is_empty() {
+        step.extend(micro.iter().cloned());
+        return;
+    }
+    for (acc, m) in step.iter_mut().zip(micro) {
+        let (a, b) = (
+            acc.tokens_per_expert.iter().sum::<usize>() as f32,
+            m.tokens_per_expert.iter().sum::<usize>() as f32,
+        );
+        let w = if a + b > 0.0 { b / (a + b) } else { 0.0 };
+        acc.router_entropy += w * (m.router_entropy - acc.router_entropy);
+        acc.z_loss += w * (m.z_loss - acc.z_loss);
+        for (x, y) in acc.tokens_per_expert.iter_mut().zip(&m.tokens_per_expert) {
+            *x += y;
+        }
+        let total = acc.tokens_per_expert.iter().sum::<usize>() as f32;
+        let mean = total / acc.tokens_per_expert.len().max(1) as f32;
+        let max = acc.tokens_per_expert.iter().copied().max().unwrap_or(0) as f32;
+        acc.imbalance = if mean > 0.0 { (max - mean) / mean } else { 0.0 };
+    }
 }
 
 /// Packs sample indices first-fit-decreasing into rows of at most `cap` tokens (a longer
@@ -338,10 +392,17 @@ impl Learner {
                 )?;
                 Ok(((l * w as f64)?, m, ent))
             };
-            let coef = self.cfg.balance_coef as f64;
-            let (g, ent, m, moe) = if self.cfg.activation_checkpointing {
+            let coef = RouterCoefs {
+                balance: self.cfg.balance_coef as f64,
+                z: self.cfg.router_z_coef as f64,
+            };
+            let memory = LayerMemory {
+                checkpoint: self.cfg.activation_checkpointing,
+                offload: self.cfg.activation_offloading,
+            };
+            let (g, ent, m, moe) = if memory != LayerMemory::default() {
                 let mut metrics = None;
-                let (g, _logits, aux) = self.model.backward_checkpointed(&packed, Some(&at), coef, |lg| {
+                let (g, _logits, aux, _) = self.model.backward_by_layer(&packed, Some(&at), coef, memory, |lg| {
                     let (l, m, ent) = loss_of(lg)?;
                     metrics = Some((m, ent));
                     Ok(l)
@@ -351,12 +412,13 @@ impl Learner {
             } else {
                 let (logits, aux) = self.model.forward_at(&packed, &at)?;
                 let (l, m, ent) = loss_of(&logits)?;
-                let g = (l + (aux.balance_loss * coef)?)?.backward()?;
+                let g = (l + aux.router_loss(coef)?)?.backward()?;
                 (g, ent, m, aux.moe)
             };
             if let Some(worst) = moe.iter().map(|s| s.imbalance).reduce(f32::max) {
                 report.moe_imbalance = Some(report.moe_imbalance.map_or(worst, |w| w.max(worst)));
             }
+            add_routing(&mut report.moe, &moe);
             report.add(&m, masked_mean(&ent, &mask)?, w);
             grads = Some(self.accumulate(grads, g, &dev)?);
         }
@@ -539,5 +601,27 @@ mod tests {
         let mut all: Vec<usize> = rows.concat();
         all.sort();
         assert_eq!(all, (0..6).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn activation_offloading_is_refused_off_cuda_with_the_other_problems() {
+        let bad = TrainConfig {
+            activation_offloading: true,
+            pack_len: 0,
+            ..Default::default()
+        };
+        let p: Vec<String> = bad.problems().iter().map(|p| p.to_string()).collect();
+        assert_eq!(p.len(), 2, "{p:?}");
+        assert!(
+            p.iter()
+                .any(|p| p.starts_with("activation_offloading:") && p.contains("device is `cpu`")),
+            "{p:?}"
+        );
+        let on_gpu = TrainConfig {
+            activation_offloading: true,
+            device: DeviceSpec::Cuda(0),
+            ..Default::default()
+        };
+        assert!(on_gpu.problems().is_empty(), "{:?}", on_gpu.problems());
     }
 }

@@ -725,6 +725,7 @@ impl TrainerStage {
                 0.0
             },
             moe_imbalance: report.moe_imbalance.map(f64::from),
+            moe: report.moe.clone(),
             staleness: triage.staleness.clone(),
         }
     }

@@ -28,13 +28,14 @@ use crate::{Error, Result};
 pub(crate) use attention::Attention;
 pub use cache::{BatchKv, KvCache};
 use cache::{CacheArg, LayerCache};
+pub use checkpointing::LayerMemory;
 pub use layers::{Linear, RmsNorm};
 pub(crate) use layers::{Mlp, Rope, matmul_t};
 pub use logprobs::{
     entropy_unfused, last_logits, masked_entropy, token_logprobs, token_logprobs_entropy, token_logprobs_unfused,
 };
 pub(crate) use moe::Moe;
-pub use moe::MoeStats;
+pub use moe::{MoeStats, RouterAux};
 pub use packing::{MASKED, Packed};
 
 #[derive(Debug, Clone)]
@@ -82,7 +83,7 @@ impl Block {
         mask: &Tensor,
         rope: &Rope,
         cache: LayerCache<'_>,
-        aux: &mut Vec<(Tensor, MoeStats)>,
+        aux: &mut Vec<RouterAux>,
         fused: Option<&FusedCtx>,
     ) -> Result<Tensor> {
         let on = fused.is_some();
@@ -97,8 +98,8 @@ impl Block {
             FeedForward::Dense(m) => m.apply(&n, on)?,
             FeedForward::Moe(m) => {
                 let (b, t, d) = n.dims3()?;
-                let (y, a, s) = m.forward(&n.reshape((b * t, d))?)?;
-                aux.push((a, s));
+                let (y, a) = m.forward(&n.reshape((b * t, d))?)?;
+                aux.push(a);
                 y.reshape((b, t, d))?
             }
         };
@@ -118,8 +119,40 @@ pub(crate) struct FusedCtx {
 pub struct Aux {
     /// Sum of the MoE load-balance losses (zero for dense models).
     pub balance_loss: Tensor,
+    /// Sum of the MoE router z-losses (zero for dense models).
+    pub z_loss: Tensor,
     /// Routing statistics per MoE layer.
     pub moe: Vec<MoeStats>,
+}
+
+impl Aux {
+    /// The router losses weighted as `coefs` say (a scalar; zero for dense models).
+    pub fn router_loss(&self, coefs: RouterCoefs) -> Result<Tensor> {
+        Ok(((&self.balance_loss * coefs.balance)? + (&self.z_loss * coefs.z)?)?)
+    }
+}
+
+/// The weights of the MoE router losses in a training objective.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RouterCoefs {
+    /// Weight of the load-balance loss.
+    pub balance: f64,
+    /// Weight of the router z-loss.
+    pub z: f64,
+}
+
+impl From<f64> for RouterCoefs {
+    /// The load-balance weight alone (no z-loss).
+    fn from(balance: f64) -> Self {
+        RouterCoefs { balance, z: 0.0 }
+    }
+}
+
+impl RouterAux {
+    /// This layer's router losses weighted as `coefs` say.
+    pub(crate) fn weighted(&self, coefs: RouterCoefs) -> Result<Tensor> {
+        Ok(((&self.balance * coefs.balance)? + (&self.z * coefs.z)?)?)
+    }
 }
 
 /// The decoder-only transformer.
@@ -323,14 +356,15 @@ impl Transformer {
         }
         let x = self.head_input(&x, at, fx.is_some())?;
         let logits = self.logits(&x, fx.is_some())?;
-        let balance_loss = aux
-            .iter()
-            .try_fold(Tensor::zeros((), DType::F32, &self.device)?, |acc, (a, _)| acc + a)?;
+        let zero = Tensor::zeros((), DType::F32, &self.device)?;
+        let balance_loss = aux.iter().try_fold(zero.clone(), |acc, a| acc + &a.balance)?;
+        let z_loss = aux.iter().try_fold(zero, |acc, a| acc + &a.z)?;
         Ok((
             logits,
             Aux {
                 balance_loss,
-                moe: aux.into_iter().map(|(_, s)| s).collect(),
+                z_loss,
+                moe: aux.into_iter().map(|a| a.stats).collect(),
             },
         ))
     }

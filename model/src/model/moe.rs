@@ -4,12 +4,36 @@
 use super::*;
 
 /// Routing statistics of one MoE layer for one forward.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct MoeStats {
     /// Tokens routed to each expert.
     pub tokens_per_expert: Vec<usize>,
     /// `(max tokens per expert − mean) / mean`.
     pub imbalance: f32,
+    /// Mean entropy (nats) of the router's distribution over experts per token (its
+    /// softmax; for sigmoid scores, the scores normalised to sum to 1).
+    pub router_entropy: f32,
+    /// The router z-loss: mean over tokens of `logsumexp(router logits)²`.
+    pub z_loss: f32,
+}
+
+impl MoeStats {
+    /// The largest expert's load over the mean load (1 is perfectly balanced).
+    pub fn max_load_ratio(&self) -> f32 {
+        self.imbalance + 1.0
+    }
+}
+
+/// What one MoE layer adds to a training forward: its load-balance loss (scaled by the
+/// config's `aux_loss_coef`), its router z-loss (unscaled) and its statistics.
+#[derive(Debug, Clone)]
+pub struct RouterAux {
+    /// Switch-style load-balance loss, `E · Σ_e f_e · P_e · aux_loss_coef`.
+    pub balance: Tensor,
+    /// Router z-loss, `mean(logsumexp(logits)²)` (ST-MoE): keeps router logits small.
+    pub z: Tensor,
+    /// Routing statistics.
+    pub stats: MoeStats,
 }
 
 /// Mixture-of-experts feed-forward: router, top-k experts per token, optional shared expert.
@@ -52,8 +76,8 @@ impl Moe {
         })
     }
 
-    /// x: (N, d) → (out (N, d), aux load-balance loss (scalar), stats).
-    pub(crate) fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor, MoeStats)> {
+    /// x: (N, d) → (out (N, d), the router's losses and statistics).
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<(Tensor, RouterAux)> {
         let (n, _d) = x.dims2()?;
         let e = self.cfg.n_experts;
         // Routing in f32 whatever the weights' dtype (the balance loss is f32).
@@ -103,10 +127,31 @@ impl Moe {
         let aux = ((f * p)?.sum_all()? * (e as f64 * self.cfg.aux_loss_coef))?;
         let mean = total / e as f32;
         let max = counts.iter().copied().max().unwrap_or(0) as f32;
+        // Router z-loss: mean over tokens of logsumexp(logits)², differentiable.
+        let lse = logits.exp()?.sum_keepdim(D::Minus1)?.log()?;
+        let z = lse.sqr()?.mean_all()?;
+        // Router entropy per token, of the scores normalised to a distribution.
+        let entropy = {
+            let mut sum = 0f64;
+            for row in &host {
+                let total: f32 = row.iter().sum();
+                if total > 0.0 {
+                    sum -= row
+                        .iter()
+                        .map(|&p| p / total)
+                        .filter(|&p| p > 0.0)
+                        .map(|p| (p * p.ln()) as f64)
+                        .sum::<f64>();
+                }
+            }
+            (sum / n.max(1) as f64) as f32
+        };
         let stats = MoeStats {
             imbalance: if mean > 0.0 { (max - mean) / mean } else { 0.0 },
             tokens_per_expert: counts,
+            router_entropy: entropy,
+            z_loss: z.to_scalar::<f32>()?,
         };
-        Ok((out, aux, stats))
+        Ok((out, RouterAux { balance: aux, z, stats }))
     }
 }

@@ -2781,6 +2781,25 @@ impl Tensor {
         (storage, &self.layout)
     }
 
+    /// streamrl patch (vendor/README.md): replaces the storage this tensor shares with its
+    /// views and detached copies, returning the old one, so that a saved activation can move
+    /// off the device and back (activation offloading). The tensor may be used again only
+    /// once a storage of the same dtype, device and length is back in place.
+    pub fn replace_storage(&self, storage: Storage) -> Storage {
+        std::mem::replace(&mut *self.storage.write(), storage)
+    }
+
+    /// streamrl patch: how many tensors (this one, its views and detached copies) hold this
+    /// tensor's storage.
+    pub fn storage_holders(&self) -> usize {
+        Arc::strong_count(&self.storage)
+    }
+
+    /// streamrl patch: a key equal for tensors that share one storage.
+    pub fn storage_id(&self) -> usize {
+        self.storage_key()
+    }
+
     /// Unique key for this tensor's storage. Equal keys mean the tensors share the same allocation.
     #[inline]
     pub(crate) fn storage_key(&self) -> usize {
