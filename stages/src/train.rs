@@ -224,29 +224,14 @@ pub struct StepReport {
     pub seconds: f64,
 }
 
-/// Adds one micro-batch's routing statistics (one per MoE layer) into the step's: tokens
-/// per expert summed, imbalance recomputed from the sums, entropy and z-loss averaged by
-/// routed tokens.
+/// Adds one micro-batch's routing statistics (one per MoE layer) into the step's.
 fn add_routing(step: &mut Vec<MoeStats>, micro: &[MoeStats]) {
     if step.is_empty() {
         step.extend(micro.iter().cloned());
         return;
     }
     for (acc, m) in step.iter_mut().zip(micro) {
-        let (a, b) = (
-            acc.tokens_per_expert.iter().sum::<usize>() as f32,
-            m.tokens_per_expert.iter().sum::<usize>() as f32,
-        );
-        let w = if a + b > 0.0 { b / (a + b) } else { 0.0 };
-        acc.router_entropy += w * (m.router_entropy - acc.router_entropy);
-        acc.z_loss += w * (m.z_loss - acc.z_loss);
-        for (x, y) in acc.tokens_per_expert.iter_mut().zip(&m.tokens_per_expert) {
-            *x += y;
-        }
-        let total = acc.tokens_per_expert.iter().sum::<usize>() as f32;
-        let mean = total / acc.tokens_per_expert.len().max(1) as f32;
-        let max = acc.tokens_per_expert.iter().copied().max().unwrap_or(0) as f32;
-        acc.imbalance = if mean > 0.0 { (max - mean) / mean } else { 0.0 };
+        acc.merge(m);
     }
 }
 

@@ -128,7 +128,7 @@ pub struct Aux {
 impl Aux {
     /// The router losses weighted as `coefs` say (a scalar; zero for dense models).
     pub fn router_loss(&self, coefs: RouterCoefs) -> Result<Tensor> {
-        Ok(((&self.balance_loss * coefs.balance)? + (&self.z_loss * coefs.z)?)?)
+        coefs.weigh(&self.balance_loss, &self.z_loss)
     }
 }
 
@@ -141,6 +141,13 @@ pub struct RouterCoefs {
     pub z: f64,
 }
 
+impl RouterCoefs {
+    /// `balance · self.balance + z · self.z`.
+    fn weigh(&self, balance: &Tensor, z: &Tensor) -> Result<Tensor> {
+        Ok(((balance * self.balance)? + (z * self.z)?)?)
+    }
+}
+
 impl From<f64> for RouterCoefs {
     /// The load-balance weight alone (no z-loss).
     fn from(balance: f64) -> Self {
@@ -151,7 +158,7 @@ impl From<f64> for RouterCoefs {
 impl RouterAux {
     /// This layer's router losses weighted as `coefs` say.
     pub(crate) fn weighted(&self, coefs: RouterCoefs) -> Result<Tensor> {
-        Ok(((&self.balance * coefs.balance)? + (&self.z * coefs.z)?)?)
+        coefs.weigh(&self.balance, &self.z)
     }
 }
 

@@ -22,6 +22,30 @@ impl MoeStats {
     pub fn max_load_ratio(&self) -> f32 {
         self.imbalance + 1.0
     }
+
+    /// `(max − mean) / mean` of tokens per expert (0 without tokens).
+    fn imbalance_of(counts: &[usize]) -> f32 {
+        let mean = counts.iter().sum::<usize>() as f32 / counts.len().max(1) as f32;
+        let max = counts.iter().copied().max().unwrap_or(0) as f32;
+        if mean > 0.0 { (max - mean) / mean } else { 0.0 }
+    }
+
+    /// Adds the statistics of the same layer over more tokens: tokens per expert summed,
+    /// imbalance recomputed from the sums, router entropy and z-loss averaged by routed
+    /// tokens.
+    pub fn merge(&mut self, other: &MoeStats) {
+        let (a, b) = (
+            self.tokens_per_expert.iter().sum::<usize>() as f32,
+            other.tokens_per_expert.iter().sum::<usize>() as f32,
+        );
+        let w = if a + b > 0.0 { b / (a + b) } else { 0.0 };
+        self.router_entropy += w * (other.router_entropy - self.router_entropy);
+        self.z_loss += w * (other.z_loss - self.z_loss);
+        for (x, y) in self.tokens_per_expert.iter_mut().zip(&other.tokens_per_expert) {
+            *x += y;
+        }
+        self.imbalance = Self::imbalance_of(&self.tokens_per_expert);
+    }
 }
 
 /// What one MoE layer adds to a training forward: its load-balance loss (scaled by the
@@ -125,8 +149,6 @@ impl Moe {
         let f = Tensor::from_vec(f, e, x.device())?;
         let p = scores.mean(0)?;
         let aux = ((f * p)?.sum_all()? * (e as f64 * self.cfg.aux_loss_coef))?;
-        let mean = total / e as f32;
-        let max = counts.iter().copied().max().unwrap_or(0) as f32;
         // Router z-loss: mean over tokens of logsumexp(logits)², differentiable.
         let lse = logits.exp()?.sum_keepdim(D::Minus1)?.log()?;
         let z = lse.sqr()?.mean_all()?;
@@ -147,7 +169,7 @@ impl Moe {
             (sum / n.max(1) as f64) as f32
         };
         let stats = MoeStats {
-            imbalance: if mean > 0.0 { (max - mean) / mean } else { 0.0 },
+            imbalance: MoeStats::imbalance_of(&counts),
             tokens_per_expert: counts,
             router_entropy: entropy,
             z_loss: z.to_scalar::<f32>()?,
