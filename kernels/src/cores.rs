@@ -33,8 +33,8 @@
 //! ```
 
 use std::cell::Cell;
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 /// Threads of this process computing on a core of their own right now ([`busy`]).
 static BUSY: AtomicUsize = AtomicUsize::new(0);
@@ -90,6 +90,53 @@ pub fn threads() -> usize {
         return 1;
     }
     cores.saturating_sub(BUSY.load(Ordering::Acquire)).clamp(1, cores)
+}
+
+/// Runs `f` on every item, spread over [`threads`] threads of the spread pool (the
+/// calling thread waits), or on the calling thread alone, in order, outside [`spread`] or
+/// when other work leaves one core. Items are handed out one at a time as threads come
+/// free, so unequal items balance. Each item is computed as it would be alone: a kernel that
+/// splits its output into independent items (a batch row, a run of parameters) gives the
+/// same bits at any thread count.
+///
+/// ```
+/// use streamrl_kernels::cores;
+///
+/// let mut rows = vec![0u64; 6];
+/// cores::spread(2, || cores::each(rows.chunks_mut(2).enumerate(), |(i, row)| row.fill(i as u64)));
+/// assert_eq!(rows, [0, 0, 1, 1, 2, 2]);
+/// ```
+pub fn each<I>(items: I, f: impl Fn(I::Item) + Sync)
+where
+    I: IntoIterator,
+    I::IntoIter: Send,
+    I::Item: Send,
+{
+    let items = items.into_iter();
+    let threads = threads();
+    if threads <= 1 {
+        items.for_each(f);
+        return;
+    }
+    let queue = Mutex::new(items);
+    let work = || {
+        loop {
+            // The lock is held only to take the next item, not while computing it.
+            let next = queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).next();
+            match next {
+                Some(item) => f(item),
+                None => break,
+            }
+        }
+    };
+    pool().install(|| {
+        rayon::scope(|s| {
+            for _ in 1..threads {
+                s.spawn(|_| work());
+            }
+            work();
+        })
+    });
 }
 
 /// The cores of this machine.

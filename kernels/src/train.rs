@@ -18,6 +18,7 @@
 use std::ops::Range;
 
 use crate::bf16::{self, Products};
+use crate::cores;
 use crate::cpu::{self, View, ViewMut};
 
 /// The additive mask value of a masked position (a packed row's other samples, the
@@ -151,6 +152,12 @@ impl AttnShape {
         );
     }
 
+    /// This shape for one batch row, and the lengths of a row of `q` and of `k`.
+    fn row(&self) -> (AttnShape, usize, usize) {
+        let per = self.seq * self.hd;
+        (AttnShape { batch: 1, ..*self }, per * self.heads, per * self.kv_heads)
+    }
+
     /// Where head `h` of batch row `r` starts in a query-shaped `(batch, seq, heads, hd)`
     /// buffer, and where its kv head starts in a `(batch, seq, kv_heads, hd)` one.
     fn offsets(&self, r: usize, h: usize) -> (usize, usize) {
@@ -256,8 +263,26 @@ impl AttnShape {
 /// of its sample's positions: the scores are the same chains of fused multiply-adds along
 /// `hd`, and the weighted sum of values is [`cpu::weighted_sum`] over the same positions
 /// (mask entries at or below [`MASKED`] are a packed row's other samples, or the future).
+///
+/// Batch rows are independent: inside [`cores::spread`] they spread over the idle cores
+/// ([`cores::each`]), each computed as alone, so the output is the same at any thread count.
 pub fn attention_forward(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], mask: &[f32], out: &mut [f32]) {
     s.check(q, k, v, mask);
+    let (row, qn, kn) = s.row();
+    cores::each(out.chunks_exact_mut(qn).enumerate(), |(r, out)| {
+        attention_forward_row(
+            row,
+            &q[r * qn..][..qn],
+            &k[r * kn..][..kn],
+            &v[r * kn..][..kn],
+            s.mask_of(mask, r),
+            out,
+        );
+    });
+}
+
+/// [`attention_forward`] of one batch row (`s.batch == 1`).
+fn attention_forward_row(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], mask: &[f32], out: &mut [f32]) {
     let (t, hd) = (s.seq, s.hd);
     let stride = s.kv_heads * hd;
     let mut p = vec![0f32; t * t];
@@ -314,7 +339,7 @@ fn blocks(spans: &[Range<usize>]) -> Vec<(Range<usize>, Range<usize>)> {
 /// share a kv head). The probabilities are recomputed, not stored; the products run per
 /// block of query rows over the keys they attend to (mask entries at or below [`MASKED`]
 /// are skipped, as in [`attention_forward`]), so a packed row costs what its samples cost
-/// apart.
+/// apart. Batch rows spread over idle cores as in [`attention_forward`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     s: AttnShape,
@@ -328,6 +353,28 @@ pub fn attention_backward(
     dv: &mut [f32],
 ) {
     s.check(q, k, v, mask);
+    let (row, qn, kn) = s.row();
+    let rows = dq
+        .chunks_exact_mut(qn)
+        .zip(dk.chunks_exact_mut(kn))
+        .zip(dv.chunks_exact_mut(kn));
+    cores::each(rows.enumerate(), |(r, ((dq, dk), dv))| {
+        let (q, k, v, dout) = (
+            &q[r * qn..][..qn],
+            &k[r * kn..][..kn],
+            &v[r * kn..][..kn],
+            &dout[r * qn..][..qn],
+        );
+        attention_backward_row(row, (q, k, v), s.mask_of(mask, r), dout, (dq, dk, dv));
+    });
+}
+
+/// `(q, k, v)` or their gradients, of one batch row.
+type Qkv<'a> = (&'a [f32], &'a [f32], &'a [f32]);
+type QkvMut<'a> = (&'a mut [f32], &'a mut [f32], &'a mut [f32]);
+
+/// [`attention_backward`] of one batch row (`s.batch == 1`).
+fn attention_backward_row(s: AttnShape, (q, k, v): Qkv, mask: &[f32], dout: &[f32], (dq, dk, dv): QkvMut) {
     let t = s.seq;
     let (hq, hk) = (s.heads, s.kv_heads);
     dk.fill(0.0);
@@ -400,6 +447,28 @@ pub struct TokenLogits<'a> {
 }
 
 impl<'a> TokenLogits<'a> {
+    /// Checks the lengths: `batch × seq × vocab` logits, `batch × seq` tokens and `per_token`.
+    fn check(&self, per_token: usize, what: &str) {
+        let (b, t, v) = (self.batch, self.seq, self.vocab);
+        assert!(
+            self.logits.len() == b * t * v && self.tokens.len() == b * t && per_token == b * t,
+            "{what}: logits {}, tokens {}, out {per_token} for {b}×{t}×{v}",
+            self.logits.len(),
+            self.tokens.len(),
+        );
+    }
+
+    /// Batch row `b` alone.
+    fn row(self, b: usize) -> TokenLogits<'a> {
+        let (t, v) = (self.seq, self.vocab);
+        TokenLogits {
+            logits: &self.logits[b * t * v..][..t * v],
+            tokens: &self.tokens[b * t..][..t],
+            batch: 1,
+            ..self
+        }
+    }
+
     /// The fields in declaration order, for a kernel's body.
     #[inline(always)]
     fn parts(self) -> (&'a [f32], &'a [u32], usize, usize, usize, f32) {
@@ -414,10 +483,13 @@ impl<'a> TokenLogits<'a> {
 /// # Panics
 /// When a token is outside the vocabulary or a slice is the wrong length.
 pub fn logprobs_forward(x: TokenLogits, out: &mut [f32]) {
-    cpu::vectorized(
-        #[inline(always)]
-        || logprobs_forward_rows(x, out, None),
-    )
+    x.check(out.len(), "logprobs");
+    cores::each(out.chunks_exact_mut(x.seq.max(1)).enumerate(), |(b, out)| {
+        cpu::vectorized(
+            #[inline(always)]
+            || logprobs_forward_rows(x.row(b), out, None),
+        )
+    });
 }
 
 /// [`logprobs_forward`] that also writes the entropy (nats) of every next-token
@@ -432,10 +504,16 @@ pub fn logprobs_entropy_forward(x: TokenLogits, out: &mut [f32], entropy: &mut [
         x.batch,
         x.seq
     );
-    cpu::vectorized(
-        #[inline(always)]
-        || logprobs_forward_rows(x, out, Some(entropy)),
-    )
+    x.check(out.len(), "logprobs");
+    let rows = out
+        .chunks_exact_mut(x.seq.max(1))
+        .zip(entropy.chunks_exact_mut(x.seq.max(1)));
+    cores::each(rows.enumerate(), |(b, (out, entropy))| {
+        cpu::vectorized(
+            #[inline(always)]
+            || logprobs_forward_rows(x.row(b), out, Some(entropy)),
+        )
+    });
 }
 
 #[inline(always)]
@@ -475,10 +553,22 @@ fn logprobs_forward_rows(x: TokenLogits, out: &mut [f32], mut entropy: Option<&m
 /// Backward of [`logprobs_forward`]: `dlogits[b, i − 1] = g[b, i] / temp · (onehot(tok) −
 /// softmax(logits[b, i − 1] / temp))`; the last position of each row gets zero.
 pub fn logprobs_backward(x: TokenLogits, g: &[f32], dlogits: &mut [f32]) {
-    cpu::vectorized(
-        #[inline(always)]
-        || logprobs_backward_rows(x, g, dlogits),
-    )
+    x.check(g.len(), "logprobs backward");
+    assert_eq!(
+        dlogits.len(),
+        x.logits.len(),
+        "logprobs backward: dlogits {} for logits {}",
+        dlogits.len(),
+        x.logits.len()
+    );
+    let row = x.seq * x.vocab;
+    cores::each(dlogits.chunks_exact_mut(row.max(1)).enumerate(), |(b, dlogits)| {
+        let g = &g[b * x.seq..][..x.seq];
+        cpu::vectorized(
+            #[inline(always)]
+            || logprobs_backward_rows(x.row(b), g, dlogits),
+        )
+    });
 }
 
 #[inline(always)]
@@ -605,22 +695,31 @@ pub fn adamw(theta: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], h: A
         m.len(),
         v.len()
     );
-    cpu::vectorized(
-        #[inline(always)]
-        || {
-            for (((t, &g), m), v) in theta.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
-                let g = g * h.clip;
-                let nm = *m * h.beta1 + g * (1.0 - h.beta1);
-                let nv = *v * h.beta2 + (g * g) * (1.0 - h.beta2);
-                *m = nm;
-                *v = nv;
-                let m_hat = nm * h.scale_m;
-                let v_hat = nv * h.scale_v;
-                let next = *t * h.decay;
-                *t = next - (m_hat / (v_hat.sqrt() + h.eps)) * h.lr;
-            }
-        },
-    )
+    // Runs of parameters, independent of each other, spread over idle cores.
+    const RUN: usize = 1 << 15;
+    let runs = theta
+        .chunks_mut(RUN)
+        .zip(grad.chunks(RUN))
+        .zip(m.chunks_mut(RUN))
+        .zip(v.chunks_mut(RUN));
+    cores::each(runs, |(((theta, grad), m), v)| {
+        cpu::vectorized(
+            #[inline(always)]
+            || {
+                for (((t, &g), m), v) in theta.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+                    let g = g * h.clip;
+                    let nm = *m * h.beta1 + g * (1.0 - h.beta1);
+                    let nv = *v * h.beta2 + (g * g) * (1.0 - h.beta2);
+                    *m = nm;
+                    *v = nv;
+                    let m_hat = nm * h.scale_m;
+                    let v_hat = nv * h.scale_v;
+                    let next = *t * h.decay;
+                    *t = next - (m_hat / (v_hat.sqrt() + h.eps)) * h.lr;
+                }
+            },
+        )
+    });
 }
 
 /// Σ x² in f64 (a gradient norm's square), vectorised.
@@ -822,6 +921,97 @@ mod tests {
         check_grad(&mut k, &dk, |k| loss(&q0, k, &v0), 2e-2);
         let k0 = k.clone();
         check_grad(&mut v, &dv, |v| loss(&q0, &k0, v), 2e-2);
+    }
+
+    #[test]
+    fn kernels_spread_over_idle_cores_give_the_same_bits() {
+        // A training step spreads attention's batch rows, logprob rows and AdamW's runs of
+        // parameters over the cores the rollout leaves idle; the trainer's logprobs must
+        // stay the sampler's, so spreading changes no bit.
+        let same = |a: &[f32], b: &[f32], what: &str| {
+            assert!(
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{what}: spread over two threads differs"
+            );
+        };
+        let spread = |f: &dyn Fn() -> Vec<Vec<f32>>| {
+            crate::cores::spread(2, || {
+                // Nothing in this test binary holds a core busy.
+                assert_eq!(crate::cores::threads(), 2);
+                f()
+            })
+        };
+        for products in [Products::F32, Products::Bf16] {
+            let (b, t, hq, hk, hd) = (5, 33, 4, 2, 8);
+            let s = AttnShape {
+                batch: b,
+                seq: t,
+                heads: hq,
+                kv_heads: hk,
+                hd,
+                scale: 0.3,
+                products,
+            };
+            let (q, k, v) = (
+                data(b * t * hq * hd, 1),
+                data(b * t * hk * hd, 2),
+                data(b * t * hk * hd, 3),
+            );
+            let dout = data(q.len(), 4);
+            let mut mask = vec![MASKED * 2.0; t * t];
+            for i in 0..t {
+                mask[i * t..=i * t + i].fill(0.0);
+            }
+            let run = || {
+                let mut out = vec![0f32; q.len()];
+                attention_forward(s, &q, &k, &v, &mask, &mut out);
+                let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
+                attention_backward(s, &q, &k, &v, &mask, &dout, &mut dq, &mut dk, &mut dv);
+                vec![out, dq, dk, dv]
+            };
+            for (i, (a, b)) in run().iter().zip(&spread(&run)).enumerate() {
+                same(a, b, &format!("attention {products:?}, output {i}"));
+            }
+        }
+        let (b, t, vocab) = (3, 7, 300);
+        let logits = data(b * t * vocab, 5);
+        let tokens: Vec<u32> = (0..b * t).map(|i| (i * 37 % vocab) as u32).collect();
+        let g = data(b * t, 6);
+        let run = || {
+            let x = rows(&logits, &tokens, b, t, vocab, 0.8);
+            let (mut lp, mut lp2, mut h) = (vec![0f32; b * t], vec![0f32; b * t], vec![0f32; b * t]);
+            logprobs_forward(x, &mut lp);
+            logprobs_entropy_forward(x, &mut lp2, &mut h);
+            let mut d = vec![0f32; logits.len()];
+            logprobs_backward(x, &g, &mut d);
+            vec![lp, lp2, h, d]
+        };
+        for (i, (a, b)) in run().iter().zip(&spread(&run)).enumerate() {
+            same(a, b, &format!("logprobs, output {i}"));
+        }
+        let n = 3 * (1 << 15) + 17;
+        let h = AdamW {
+            lr: 1e-3,
+            decay: 0.999,
+            beta1: 0.9,
+            beta2: 0.95,
+            scale_m: 1.5,
+            scale_v: 2.5,
+            eps: 1e-8,
+            clip: 0.7,
+        };
+        let run = || {
+            let (mut theta, mut m, mut v) = (
+                data(n, 7),
+                data(n, 8),
+                data(n, 9).iter().map(|x| x * x).collect::<Vec<f32>>(),
+            );
+            adamw(&mut theta, &data(n, 10), &mut m, &mut v, h);
+            vec![theta, m, v]
+        };
+        for (i, (a, b)) in run().iter().zip(&spread(&run)).enumerate() {
+            same(a, b, &format!("adamw, output {i}"));
+        }
     }
 
     #[test]
