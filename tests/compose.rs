@@ -533,7 +533,7 @@ fn compose_up_runs_the_pipeline_scales_out_while_running_and_goes_down() {
             .unwrap_or(0)
     };
     let (new_generated, old_generated) = (generated(&project.logs(&new)), generated(&project.logs(&first[0])));
-    let max_steps = 150;
+    let max_steps = 400;
     let checks = [
         (
             "target step reached".to_string(),
