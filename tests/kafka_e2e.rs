@@ -12,7 +12,7 @@ use common::rollout;
 use streamrl_archive::{ArchiveConfig, ArchiveWriter, Sql};
 use streamrl_runtime::bus::{self, Record};
 use streamrl_schemas::codec::{self, Compression};
-use streamrl_schemas::{Headers, MetricRow, RolloutRow, SchemaId, TopicRow};
+use streamrl_schemas::{Headers, MetricRow, RolloutRow, SchemaId, ScoredRow, TopicRow};
 
 fn metric(i: u64) -> MetricRow {
     MetricRow {
@@ -297,7 +297,7 @@ async fn replay_to_kafka_and_read_it_with_kcat_and_pyarrow() {
     let payload = kcat_read(&["-p", &first_partition, "-c", "1"], "%s");
     let (py, pythonpath) = common::python_with(&["pyarrow==26.0.1"]);
     let mut cmd = Command::new(py);
-    cmd.args(["-c", "import sys, pyarrow as pa; t = pa.ipc.open_stream(sys.stdin.buffer.read()).read_all(); print(t.num_rows, t.column('group_id')[0], t.schema.field('completion_logprobs').type)"]);
+    cmd.args(["-c", "import sys, pyarrow as pa; t = pa.ipc.open_stream(sys.stdin.buffer.read()).read_all(); print(t.num_rows, t.column('group_id')[0], t.column('completion_routes')[0].as_py(), t.schema.field('completion_logprobs').type)"]);
     if let Some(p) = pythonpath {
         cmd.env("PYTHONPATH", p);
     }
@@ -317,6 +317,10 @@ async fn replay_to_kafka_and_read_it_with_kcat_and_pyarrow() {
     );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.starts_with("4 g"), "{text}");
+    assert!(
+        text.contains(", 7, 0, 3, 255, 255, 255, 255] "),
+        "the recorded routes: {text}"
+    );
     assert!(text.trim().ends_with("list<item: float not null>"), "{text}");
 }
 
@@ -495,6 +499,20 @@ async fn one_trajectory_is_one_trace_across_stage_processes() {
         .unwrap();
     let got = Headers::from_wire(&m.headers).unwrap().traceparent.unwrap();
     assert_eq!(streamrl_runtime::telemetry::parse_traceparent(&got).unwrap().0, trace);
+    // The rows crossed two stage processes over the broker with their recorded expert
+    // routes (routing replay's column) intact.
+    let scored = ScoredRow::from_batch(&codec::decode(SchemaId::Scored, &m.headers, &m.payload).unwrap()).unwrap();
+    let mut routes: Vec<(String, Vec<u8>)> = scored
+        .into_iter()
+        .map(|r| (r.rollout_id, r.completion_routes))
+        .collect();
+    routes.sort();
+    let sent: Vec<(String, Vec<u8>)> = rows
+        .iter()
+        .map(|r| (r.rollout_id.clone(), r.completion_routes.clone()))
+        .collect();
+    assert_eq!(routes, sent);
+    assert!(sent.iter().all(|(_, r)| !r.is_empty()));
 
     // SIGTERM: each exporter flushes at shutdown.
     for (c, reaper) in children.into_iter().zip(reapers) {

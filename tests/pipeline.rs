@@ -222,9 +222,10 @@ fn run_warm_starts_then_trains_through_every_stage_and_archives_the_lineage() {
 }
 
 /// A mixture-of-experts policy (`tiny-moe`: 8 experts, 2 per token) through SFT and every
-/// stage: the trainer publishes each MoE layer's load per expert, imbalance, router
-/// entropy and z-loss per step, the progress line shows the worst load, and the report
-/// draws the load heat map.
+/// stage: the rollout records each completion token's experts and the trainer replays
+/// them; the trainer publishes each MoE layer's load per expert, imbalance, router
+/// entropy and z-loss per step, and the routing mismatch; the progress line shows the
+/// worst load, and the report draws the load heat map.
 #[test]
 fn a_mixture_of_experts_policy_trains_through_every_stage_with_its_expert_load_published() {
     let dir = tempfile::tempdir().unwrap();
@@ -289,14 +290,29 @@ fn a_mixture_of_experts_policy_trains_through_every_stage_with_its_expert_load_p
         q("SELECT count(*), min(value) >= 1 FROM metrics WHERE stage = 'trainer' AND name = 'moe_max_load'"),
         ["3,true"]
     );
-    // Samples went through every stage.
+    // Samples went through every stage, carrying the experts the sampler routed each
+    // completion token to (2 layers × top-2 per token) from the rollout to the trainer.
     let joined: usize = q(
         "SELECT count(*) FROM rollouts r JOIN scored s ON r.sample_id = s.sample_id \
-                           JOIN samples m ON m.sample_id = r.sample_id",
+                           JOIN samples m ON m.sample_id = r.sample_id \
+         WHERE cardinality(r.completion_routes) = 4 * cardinality(r.completion_token_ids) \
+           AND s.completion_routes = r.completion_routes AND m.completion_routes = r.completion_routes",
     )[0]
     .parse()
     .unwrap();
     assert!(joined >= 24, "{joined}");
+    // Routing replay: the trainer replayed the recorded routes of every fed completion
+    // token and published how many its own router would have sent elsewhere (a fraction).
+    assert_eq!(
+        q("SELECT count(*), min(value) > 0 FROM metrics WHERE stage = 'trainer' AND name = 'moe_recorded_routes'"),
+        ["3,true"]
+    );
+    assert_eq!(
+        q(
+            "SELECT count(*), min(value) >= 0, max(value) <= 1 FROM metrics WHERE stage = 'trainer' AND name = 'moe_routing_mismatch'"
+        ),
+        ["3,true,true"]
+    );
     // The report draws the heat map.
     let (ok, out, err) = streamrl(dir.path(), &["report", "--run", "run"]);
     assert!(ok, "{out}{err}");

@@ -379,6 +379,12 @@ impl HfConfig {
         if n_experts == 0 {
             errs.push(format!("{family:?} needs num_experts (or num_local_experts)"));
         }
+        if n_experts > 255 {
+            // Recorded routes (routing replay) keep an expert id in one byte, 255 meaning none.
+            errs.push(format!(
+                "num_experts {n_experts} exceeds 255, the most recorded routes can name"
+            ));
+        }
         if top_k == 0 || top_k > n_experts.max(1) {
             errs.push(format!("num_experts_per_tok {top_k} must be in 1..={n_experts}"));
         }

@@ -186,15 +186,25 @@ struct Layer {
 }
 
 /// The keys and values of one sequence: per layer, `len` positions of
-/// (kv_heads, head_dim), appended in place as the sequence grows.
+/// (kv_heads, head_dim), appended in place as the sequence grows; for a mixture of
+/// experts, also the experts every position was routed to.
 #[derive(Debug, Clone)]
 pub struct SeqKv {
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
     len: usize,
+    /// Per position, per layer, the `top_k` experts chosen (empty for a dense model).
+    routes: Vec<u8>,
 }
 
 impl SeqKv {
+    /// The experts chosen for positions `from..` (per position, per layer, `top_k` ids, as
+    /// [`Packed::with_routes`](crate::Packed::with_routes) reads them): what routing
+    /// replay records. Empty for a dense model.
+    pub fn routes_from(&self, from: usize, per_position: usize) -> &[u8] {
+        self.routes.get(from * per_position..).unwrap_or(&[])
+    }
+
     /// Positions cached.
     pub fn len(&self) -> usize {
         self.len
@@ -298,6 +308,7 @@ impl CpuModel {
             k: (0..self.cfg.n_layers).map(|_| Vec::with_capacity(per)).collect(),
             v: (0..self.cfg.n_layers).map(|_| Vec::with_capacity(per)).collect(),
             len: 0,
+            routes: Vec::new(),
         }
     }
 
@@ -321,6 +332,8 @@ impl CpuModel {
         let mut att = vec![0f32; n * nh * hd];
         let max_len = seqs.iter().map(|(kv, t)| kv.len + t.len()).max().unwrap_or(0);
         let mut scores = vec![0f32; max_len];
+        // Per layer, the experts each token went to (a mixture of experts).
+        let mut chosen: Vec<Vec<u8>> = Vec::new();
         for (li, layer) in self.layers.iter().enumerate() {
             cpu::rms_norm(&x, &layer.attn_norm, c.eps as f32, &mut h);
             layer.qkv.apply(&h, n, &mut qkv, false, self.threads);
@@ -330,11 +343,19 @@ impl CpuModel {
             cpu::rms_norm(&x, &layer.ff_norm, c.eps as f32, &mut h);
             match &layer.ff {
                 Ff::Dense(mlp) => mlp.apply(&h, n, &mut x, true, self.threads),
-                Ff::Moe(m) => m.apply(&h, n, d, &mut x, self.threads),
+                Ff::Moe(m) => chosen.push(m.apply(&h, n, d, &mut x, self.threads)),
             }
         }
+        let k = c.moe.as_ref().map_or(0, |m| m.top_k);
+        let mut row = 0;
         for (kv, toks) in seqs.iter_mut() {
             kv.len += toks.len();
+            for i in row..row + toks.len() {
+                for layer in &chosen {
+                    kv.routes.extend_from_slice(&layer[i * k..(i + 1) * k]);
+                }
+            }
+            row += toks.len();
         }
         Ok(self.last_logits(&x, seqs))
     }
@@ -454,8 +475,9 @@ impl CpuModel {
 
 impl Moe {
     /// Adds the feed-forward of `x` (n, d) into `dst` with the candle model's routing
-    /// (scores, top-k with ties to the lower index, optional renormalisation, shared expert).
-    fn apply(&self, x: &[f32], n: usize, d: usize, dst: &mut [f32], threads: usize) {
+    /// (scores, top-k with ties to the lower index, optional renormalisation, shared expert);
+    /// returns the experts each token went to, `top_k` per token in the order chosen.
+    fn apply(&self, x: &[f32], n: usize, d: usize, dst: &mut [f32], threads: usize) -> Vec<u8> {
         let Moe {
             router,
             experts,
@@ -477,6 +499,7 @@ impl Moe {
         }
         // Tokens (and their weights) per expert.
         let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
+        let mut chosen = Vec::with_capacity(n * cfg.top_k);
         let mut order: Vec<usize> = Vec::with_capacity(e);
         for (i, row) in scores.chunks_exact(e).enumerate() {
             order.clear();
@@ -490,6 +513,8 @@ impl Moe {
             };
             for &j in top {
                 routed[j].push((i, row[j] / norm));
+                // At most 255 experts (the config refuses more): one byte each.
+                chosen.push(j as u8);
             }
         }
         let mut xe = Vec::new();
@@ -523,6 +548,7 @@ impl Moe {
                 }
             }
         }
+        chosen
     }
 }
 

@@ -40,8 +40,8 @@ pub mod tokenizer;
 
 pub use error::{Error, Result};
 pub use model::{
-    Aux, BatchKv, KvCache, MoeStats, Packed, RouterCoefs, Transformer, masked_entropy, token_logprobs,
-    token_logprobs_entropy,
+    Aux, BatchKv, KvCache, MoeStats, NO_ROUTE, Packed, RouterCoefs, Routes, SampleRoutes, Transformer, masked_entropy,
+    token_logprobs, token_logprobs_entropy,
 };
 /// How a process's stages share its cores (a training step's products spread over idle ones).
 pub use streamrl_kernels::cores;

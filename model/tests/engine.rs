@@ -608,3 +608,193 @@ fn bf16_products_decode_on_the_cpu_kernels_and_swap() {
     assert_eq!(e.model().products(), Products::Bf16, "a swap keeps bf16 products");
     assert_eq!(e.kernels(), "cpu");
 }
+
+/// A mixture of experts (`tiny-moe`) on the CPU kernels, its completions sampled at
+/// temperature 0.7, with the routes the engine recorded for them.
+fn moe_outputs() -> (Engine, Vec<Output>) {
+    let tok = Tokenizer::char_level();
+    let hf = config::preset("tiny-moe", tok.vocab_size()).unwrap();
+    let m = checkpoint::init_seeded(&hf, &Device::Cpu, Some(5)).unwrap().model;
+    run_prompts(m)
+}
+
+/// The training forward's logprobs (temperature 0.7) of `prompt` + `completion`, with the
+/// completion's `routes` replayed (or only compared), and the step's routing statistics.
+fn replayed(
+    m: &Transformer,
+    prompt: &[u32],
+    completion: &[u32],
+    routes: &[u8],
+    replay: bool,
+) -> (Vec<f32>, Vec<streamrl_model::MoeStats>) {
+    let seq: Vec<u32> = prompt.iter().chain(completion).copied().collect();
+    let ids = streamrl_model::SampleRoutes {
+        from: prompt.len(),
+        ids: routes,
+    };
+    let batch = Packed::new(&[vec![seq]], &Device::Cpu)
+        .unwrap()
+        .with_routes(m.config(), &[Some(ids)], replay)
+        .unwrap();
+    let (logits, aux) = m.forward(&batch).unwrap();
+    let lp = token_logprobs(&logits, &batch.tokens, 0.7)
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    (lp, aux.moe)
+}
+
+/// Routing replay, f32: the engine records the experts of every generated token it fed
+/// back (per layer, top-k, the last token none), and the training forward that replays
+/// them computes the sampler's logprobs, with no token routed differently.
+#[test]
+fn a_mixture_of_experts_records_its_routes_and_the_trainer_replays_them() {
+    let (e, outs) = moe_outputs();
+    assert_eq!(e.kernels(), "cpu");
+    let cfg = e.model().config().clone();
+    let moe = cfg.moe.clone().unwrap();
+    let per = cfg.n_layers * moe.top_k;
+    let mut recorded = 0;
+    for (o, p) in outs.iter().zip(prompts()) {
+        assert_eq!(o.routes.len(), o.tokens.len() * per, "request {}", o.id);
+        let (fed, last) = o.routes.split_at(o.routes.len() - per);
+        assert!(
+            last.iter().all(|&r| r == streamrl_model::NO_ROUTE),
+            "the last token is never fed"
+        );
+        assert!(fed.iter().all(|&r| (r as usize) < moe.n_experts), "{fed:?}");
+        for token in fed.chunks_exact(moe.top_k) {
+            assert!(token[0] != token[1], "one expert chosen twice: {token:?}");
+        }
+        let (lp, stats) = replayed(e.model(), &p, &o.tokens, &o.routes, true);
+        for (k, got) in o.logprobs.iter().enumerate() {
+            let want = lp[p.len() + k];
+            assert!(
+                (got - want).abs() <= 1e-4,
+                "request {}, token {k}: sampled {got}, replayed {want}",
+                o.id
+            );
+        }
+        assert_eq!(stats.len(), cfg.n_layers);
+        for s in &stats {
+            assert_eq!(s.recorded, o.tokens.len() - 1, "every fed completion token replayed");
+            assert_eq!(s.mismatched, 0, "f32: the trainer's router agrees with the sampler's");
+        }
+        recorded += o.tokens.len() - 1;
+    }
+    assert!(recorded > 20, "{recorded} tokens replayed");
+}
+
+/// Routing replay sends each token exactly where the record says: with every recorded
+/// token sent to other experts than its own, the logprobs up to the first recorded
+/// position stay (causal: nothing replayed reaches them; to the rounding of the experts'
+/// products over other batches of tokens), every recorded token counts as mismatched, and
+/// the logprobs after it change; compared only (`replay: false`), the same record changes
+/// nothing but the count.
+#[test]
+fn replayed_routes_that_differ_change_the_forward_as_recorded() {
+    let (e, outs) = moe_outputs();
+    let m = e.model();
+    let n_experts = m.config().moe.as_ref().unwrap().n_experts as u8;
+    let o = outs.iter().max_by_key(|o| o.tokens.len()).unwrap();
+    let p = &prompts()[o.id as usize];
+    // Each recorded token sent to the first two experts it was not sent to.
+    let moved: Vec<u8> = o
+        .routes
+        .chunks_exact(2)
+        .flat_map(|pair| match pair[0] {
+            streamrl_model::NO_ROUTE => pair.to_vec(),
+            _ => (0..n_experts).filter(|e| !pair.contains(e)).take(2).collect(),
+        })
+        .collect();
+    let (own, _) = replayed(m, p, &o.tokens, &o.routes, true);
+    let (forced, stats) = replayed(m, p, &o.tokens, &moved, true);
+    let (compared, compared_stats) = replayed(m, p, &o.tokens, &moved, false);
+    // Position i's logprob comes from position i − 1's logits; positions up to the
+    // prompt's last are computed before any recorded one.
+    let first = p.len();
+    for i in 0..=first {
+        assert!(
+            (own[i] - forced[i]).abs() <= 1e-5,
+            "position {i}, before the replayed ones: {} vs {}",
+            own[i],
+            forced[i]
+        );
+    }
+    let changed = (first + 1..own.len())
+        .filter(|&i| (own[i] - forced[i]).abs() > 1e-3)
+        .count();
+    assert!(
+        changed > (own.len() - first - 1) / 2,
+        "{changed} of {} logprobs changed",
+        own.len() - first - 1
+    );
+    // The first layer's router sees what it saw when sampling, and is overruled on every
+    // recorded token; later layers see the states the replay changed.
+    let n = o.tokens.len() - 1;
+    assert_eq!((stats[0].recorded, stats[0].mismatched), (n, n));
+    for s in &stats[1..] {
+        assert!(s.recorded == n && s.mismatched >= n / 2, "{s:?}");
+    }
+    for (a, b) in own.iter().zip(&compared) {
+        assert_eq!(a.to_bits(), b.to_bits(), "compared only: the forward routes itself");
+    }
+    for s in &compared_stats {
+        assert_eq!((s.recorded, s.mismatched), (n, n));
+    }
+}
+
+/// Routes that do not fit the model are refused with every problem named.
+#[test]
+fn routes_that_do_not_fit_are_refused() {
+    let (e, _) = moe_outputs();
+    let m = e.model();
+    let batch = || Packed::new(&[vec![vec![1, 2, 3]], vec![vec![4, 5]]], &Device::Cpu).unwrap();
+    let per = m.config().n_layers * 2;
+    let bad_expert = vec![9u8; per];
+    let odd = vec![0u8; per + 1];
+    let long = vec![0u8; 3 * per];
+    let err = batch()
+        .with_routes(
+            m.config(),
+            &[
+                Some(streamrl_model::SampleRoutes {
+                    from: 2,
+                    ids: &bad_expert,
+                }),
+                Some(streamrl_model::SampleRoutes { from: 0, ids: &odd }),
+            ],
+            true,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("sample 0: expert 9 of a model with 8 experts"), "{err}");
+    assert!(
+        err.contains(&format!("sample 1: {} route ids are not whole positions", per + 1)),
+        "{err}"
+    );
+    let err = batch()
+        .with_routes(
+            m.config(),
+            &[None, Some(streamrl_model::SampleRoutes { from: 0, ids: &long })],
+            true,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("sample 1: routes for positions 0..3 of a sample of 2"),
+        "{err}"
+    );
+    let twice = vec![1u8; per];
+    let b = batch()
+        .with_routes(
+            m.config(),
+            &[Some(streamrl_model::SampleRoutes { from: 0, ids: &twice }), None],
+            true,
+        )
+        .unwrap();
+    let err = m.forward(&b).unwrap_err().to_string();
+    assert!(err.contains("names an expert twice"), "{err}");
+}

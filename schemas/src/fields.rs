@@ -41,6 +41,10 @@ pub const COMPLETION_TOKEN_IDS: &str = "completion_token_ids";
 pub const COMPLETION_LOGPROBS: &str = "completion_logprobs";
 /// Per-token policy version that produced the token.
 pub const COMPLETION_VERSIONS: &str = "completion_versions";
+/// For a mixture of experts, the experts each completion token was routed to when the
+/// sampler fed it: per token, per layer, `top_k` one-byte expert ids (255: not recorded);
+/// empty when nothing was recorded (a dense model). Routing replay reads it.
+pub const COMPLETION_ROUTES: &str = "completion_routes";
 /// Per-token loss mask over the completion (true = trainable).
 pub const LOSS_MASK: &str = "loss_mask";
 /// Why generation stopped: stop, length, tool_call, cancelled.

@@ -138,6 +138,9 @@ macro_rules! trajectory_row {
             pub completion_logprobs: Vec<f32>,
             /// Per-token policy versions.
             pub completion_versions: Vec<u32>,
+            /// Per completion token, per layer, the `top_k` experts the sampler routed it
+            /// to (255: not recorded); empty for a dense model. Routing replay reads it.
+            pub completion_routes: Vec<u8>,
             /// Per-token loss mask (false for tool output tokens).
             pub loss_mask: Vec<bool>,
             /// stop, length, tool_call or cancelled.
@@ -199,6 +202,7 @@ macro_rules! trajectory_into {
             completion_token_ids: s.completion_token_ids,
             completion_logprobs: s.completion_logprobs,
             completion_versions: s.completion_versions,
+            completion_routes: s.completion_routes,
             loss_mask: s.loss_mask,
             finish_reason: s.finish_reason,
             tool_calls: s.tool_calls,
@@ -300,6 +304,8 @@ pub struct SampleRow {
     pub completion_logprobs: Vec<f32>,
     /// Per-token policy versions.
     pub completion_versions: Vec<u32>,
+    /// The sampler's expert routes per completion token (as in the rollout rows).
+    pub completion_routes: Vec<u8>,
     /// Per-token loss mask over the completion.
     pub loss_mask: Vec<bool>,
     /// Why generation stopped.
@@ -510,6 +516,7 @@ pub(crate) mod tests {
             completion_token_ids: vec![9, 10],
             completion_logprobs: vec![-0.5, -0.25],
             completion_versions: vec![3, 4],
+            completion_routes: vec![0, 3, 1, 255],
             loss_mask: vec![true, false],
             finish_reason: "stop".into(),
             tool_calls: vec![ToolCall {
@@ -571,6 +578,7 @@ pub(crate) mod tests {
         empty.completion = String::new();
         (empty.prompt_token_ids, empty.completion_token_ids) = (vec![], vec![]);
         (empty.completion_logprobs, empty.completion_versions, empty.loss_mask) = (vec![], vec![], vec![]);
+        empty.completion_routes = vec![];
         empty.tool_calls = vec![];
         round_trip(vec![trajectory_into!(
             empty,
@@ -645,6 +653,7 @@ pub(crate) mod tests {
             completion_token_ids: vec![2, 3],
             completion_logprobs: vec![-0.1, -0.2],
             completion_versions: vec![1, 2],
+            completion_routes: vec![2, 7, 255, 255],
             loss_mask: vec![true, true],
             finish_reason: "stop".into(),
             reward: 1.0,

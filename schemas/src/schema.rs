@@ -213,13 +213,14 @@ fn sample_identity_fields() -> Vec<Field> {
     ]
 }
 
-/// A completion's tokens with the sampler's logprobs and versions, its loss mask and why it
+/// A completion's tokens with the sampler's logprobs, versions and expert routes, its loss mask and why it
 /// ended (rollouts and samples alike).
-fn completion_fields() -> [Field; 5] {
+fn completion_fields() -> [Field; 6] {
     [
         list(f::COMPLETION_TOKEN_IDS, DataType::UInt32),
         list(f::COMPLETION_LOGPROBS, DataType::Float32),
         list(f::COMPLETION_VERSIONS, DataType::UInt32),
+        list(f::COMPLETION_ROUTES, DataType::UInt8),
         list(f::LOSS_MASK, DataType::Boolean),
         utf8(f::FINISH_REASON),
     ]
@@ -354,11 +355,11 @@ mod tests {
             prints,
             [
                 "prompts e3ec52100a2740f3",
-                "rollouts 23fc4b79594f83fb",
-                "continuations 795235a00684d9b9",
-                "executed 7ea0fad18b474112",
-                "scored 730b0ba3f0d26ef9",
-                "samples 367acf12961d9b5d",
+                "rollouts c5a498eef17bf727",
+                "continuations 116404a1614af848",
+                "executed b2ddbda5b9564f3a",
+                "scored 5b6f3c713996e5d8",
+                "samples bf3e4c49353f4e63",
                 "policy 8d6857dd816098e2",
                 "trained d82164875a8ebc6b",
                 "metrics eeed1610d7c86cbe",

@@ -136,6 +136,7 @@ fn workload(env: &dyn Environment, groups: usize) -> Result<Vec<Vec<RolloutRow>>
                     completion_token_ids: vec![4, 5],
                     completion_logprobs: vec![-0.5, -0.5],
                     completion_versions: vec![0, 0],
+                    completion_routes: vec![],
                     loss_mask: vec![true, true],
                     finish_reason: "stop".into(),
                     tool_calls: vec![],

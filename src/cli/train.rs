@@ -93,6 +93,7 @@ fn tokenized(
         prompt,
         completion,
         advantage: 0.0,
+        routes: vec![],
     }))
 }
 

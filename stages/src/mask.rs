@@ -185,6 +185,7 @@ impl MaskStage {
                     completion_token_ids: r.completion_token_ids,
                     completion_logprobs: r.completion_logprobs,
                     completion_versions: r.completion_versions,
+                    completion_routes: r.completion_routes,
                     loss_mask,
                     finish_reason: r.finish_reason,
                     reward: r.reward,

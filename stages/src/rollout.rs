@@ -291,6 +291,24 @@ struct Loading {
     task: tokio::task::JoinHandle<Result<Prepared, String>>,
 }
 
+/// A trajectory's recorded expert routes (`before` completion tokens so far) extended by a
+/// turn: `n_tool` tool tokens (not routed by the sampler as completion tokens: not
+/// recorded) and the turn's generated tokens with the routes `o` recorded. A dense model's
+/// trajectory, or one whose sampler recorded nothing, keeps none.
+fn extend_routes(routes: &mut Vec<u8>, before: usize, n_tool: usize, o: &Output) {
+    let per = match (routes.len(), o.routes.len()) {
+        (0, 0) => return,
+        (_, n) if n > 0 => n / o.tokens.len().max(1),
+        (n, _) => n / before.max(1),
+    };
+    routes.resize(before * per, streamrl_model::NO_ROUTE);
+    routes.resize((before + n_tool) * per, streamrl_model::NO_ROUTE);
+    match o.routes.is_empty() {
+        true => routes.resize((before + n_tool + o.tokens.len()) * per, streamrl_model::NO_ROUTE),
+        false => routes.extend_from_slice(&o.routes),
+    }
+}
+
 /// FNV-1a of the group id and the sample's index in it.
 fn seed_of(group_id: &str, index: u32) -> u64 {
     use std::hash::Hasher as _;
@@ -645,6 +663,7 @@ impl RolloutStage {
             completion_token_ids: o.tokens,
             completion_logprobs: o.logprobs,
             completion_versions: o.versions,
+            completion_routes: o.routes,
             finish_reason: o.finish_reason.as_str().to_string(),
             tool_calls,
             answer: p.answer.clone(),
@@ -675,6 +694,7 @@ impl RolloutStage {
             .copied()
             .or(o.versions.first().copied())
             .unwrap_or(0);
+        extend_routes(&mut c.completion_routes, c.completion_token_ids.len(), n_tool, &o);
         c.completion.push_str(tool_text);
         c.completion.push_str(&text);
         c.completion_token_ids

@@ -16,7 +16,7 @@ use streamrl_model::loss::{self, LossInputs, LossKind};
 use streamrl_model::model::LayerMemory;
 use streamrl_model::optim::{LrSchedule, Optimizer, OptimizerConfig};
 use streamrl_model::{
-    MoeStats, Packed, RouterCoefs, Tokenizer, Transformer, checkpoint, cores, token_logprobs_entropy,
+    MoeStats, Packed, RouterCoefs, SampleRoutes, Tokenizer, Transformer, checkpoint, cores, token_logprobs_entropy,
 };
 
 /// The objective, as written in topology.yaml (`loss: {kind: masked_is, low: 0.5, ...}`):
@@ -71,6 +71,27 @@ pub struct TrainConfig {
     /// compose: the other stages' processes share the machine unseen); 1 keeps a step on
     /// its own thread.
     pub cores: usize,
+    /// Mixture of experts: `replay` (default) routes each completion token of a sample to
+    /// the experts the sampler chose for it (routing replay; the samples' recorded
+    /// `completion_routes`), so that the trainer's logprobs are those of the policy that
+    /// sampled: gradients still reach the router through its scores for those experts;
+    /// tokens without recorded routes (prompts, tool output, a sampler that recorded
+    /// none) are routed afresh. `recompute` routes every token afresh. Either way the
+    /// step reports how many tokens with recorded routes the trainer's router sends (or
+    /// would send) elsewhere (`moe_routing_mismatch`).
+    /// Dense models ignore it.
+    pub routing: Routing,
+}
+
+/// How a training forward routes a mixture of experts' tokens ([`TrainConfig::routing`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Routing {
+    /// To the experts the sampler recorded, where it recorded them.
+    #[default]
+    Replay,
+    /// By the trainer's own router.
+    Recompute,
 }
 
 impl Default for TrainConfig {
@@ -89,6 +110,7 @@ impl Default for TrainConfig {
             device: DeviceSpec::Cpu,
             dtype: Precision::F32,
             cores: 0,
+            routing: Routing::Replay,
         }
     }
 }
@@ -149,6 +171,9 @@ pub struct TrainSample {
     pub loss_mask: Vec<bool>,
     /// Advantage broadcast to every trainable token (ignored by SFT).
     pub advantage: f32,
+    /// The experts the sampler routed each completion token to (per token, per layer,
+    /// `top_k` ids; empty: none recorded), for routing replay ([`TrainConfig::routing`]).
+    pub routes: Vec<u8>,
 }
 
 impl TrainSample {
@@ -176,6 +201,33 @@ pub fn sample_problem(prompt: usize, completion: usize, mask: usize, ctx: usize)
     }
 }
 
+/// What makes a sample's recorded expert routes (`routes`, for `completion` tokens)
+/// unusable on a model whose MoE layers route to `top_k` of `experts` experts in each of
+/// `layers` layers (`moe`: `None` for a dense model), if anything. No routes is always
+/// fine.
+pub fn routes_problem(routes: &[u8], completion: usize, moe: Option<(usize, usize, usize)>) -> Option<String> {
+    if routes.is_empty() {
+        return None;
+    }
+    let Some((layers, top_k, experts)) = moe else {
+        return Some(format!(
+            "{} recorded expert routes for a dense model (a mixture of experts sampled it?)",
+            routes.len()
+        ));
+    };
+    let want = completion * layers * top_k;
+    if routes.len() != want {
+        return Some(format!(
+            "{} recorded expert routes for {completion} completion tokens × {layers} layers × top-{top_k} = {want}",
+            routes.len()
+        ));
+    }
+    routes
+        .iter()
+        .find(|&&e| e != streamrl_model::NO_ROUTE && e as usize >= experts)
+        .map(|e| format!("recorded expert {e} of a model with {experts} experts"))
+}
+
 /// What one optimizer step did.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepReport {
@@ -197,7 +249,8 @@ pub struct StepReport {
     pub moe_imbalance: Option<f32>,
     /// Mixture-of-experts routing per MoE layer over the whole step: tokens per expert
     /// summed over micro-batches, the imbalance of those sums, and the router entropy and
-    /// z-loss averaged over micro-batches by their tokens. Empty for a dense model.
+    /// z-loss averaged over micro-batches by their tokens, and the tokens with recorded
+    /// routes and those the trainer's router differs on. Empty for a dense model.
     pub moe: Vec<MoeStats>,
     /// Clip fraction (clipped losses).
     pub clip_fraction: f32,
@@ -326,7 +379,7 @@ impl Learner {
     fn step_on_cores(&mut self, samples: &[TrainSample]) -> streamrl_model::Result<StepReport> {
         let t0 = Instant::now();
         let kind: LossKind = self.cfg.loss;
-        check_shapes(samples, self.model.config().max_positions)?;
+        check_shapes(samples, self.model.config())?;
         let total_trainable: usize = samples.iter().map(|s| s.loss_mask.iter().filter(|m| **m).count()).sum();
         let lens: Vec<usize> = samples.iter().map(TrainSample::len).collect();
         let rows = pack_ffd(&lens, self.cfg.pack_len);
@@ -352,6 +405,22 @@ impl Learner {
                 mask,
                 spans,
             } = MicroBatch::new(samples, mb, &dev)?;
+            // Recorded routes are replayed, or (recompute) compared with the trainer's.
+            let packed = {
+                let routes: Vec<Option<SampleRoutes>> = mb
+                    .iter()
+                    .flatten()
+                    .map(|&i| {
+                        let s = &samples[i];
+                        (!s.routes.is_empty()).then_some(SampleRoutes {
+                            from: s.prompt.len(),
+                            ids: &s.routes,
+                        })
+                    })
+                    .collect();
+                let replay = self.cfg.routing == Routing::Replay;
+                packed.with_routes(self.model.config(), &routes, replay)?
+            };
             let mb_trainable: f32 = mask.iter().sum();
             if sampler.is_empty() {
                 continue;
@@ -458,14 +527,24 @@ impl Learner {
     }
 }
 
-/// Every sample is trainable ([`sample_problem`]).
-fn check_shapes(samples: &[TrainSample], ctx: usize) -> streamrl_model::Result<()> {
+/// Every sample is trainable ([`sample_problem`]) and its recorded routes fit the model
+/// ([`routes_problem`]).
+fn check_shapes(samples: &[TrainSample], cfg: &streamrl_model::config::Config) -> streamrl_model::Result<()> {
+    let moe = moe_shape(cfg);
     for (i, s) in samples.iter().enumerate() {
-        if let Some(p) = sample_problem(s.prompt.len(), s.completion.len(), s.loss_mask.len(), ctx) {
+        let (p, c) = (s.prompt.len(), s.completion.len());
+        if let Some(p) =
+            sample_problem(p, c, s.loss_mask.len(), cfg.max_positions).or_else(|| routes_problem(&s.routes, c, moe))
+        {
             return Err(streamrl_model::Error::Shape(format!("sample {i}: {p}")));
         }
     }
     Ok(())
+}
+
+/// `(layers, top_k, experts)` of a mixture of experts, as [`routes_problem`] takes it.
+pub fn moe_shape(cfg: &streamrl_model::config::Config) -> Option<(usize, usize, usize)> {
+    cfg.moe.as_ref().map(|m| (cfg.n_layers, m.top_k, m.n_experts))
 }
 
 /// One micro-batch: its rows of packed samples, and per completion token (in packing
@@ -573,6 +652,24 @@ fn empty_grads(dev: &Device) -> candle_core::Result<GradStore> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn recorded_routes_that_do_not_fit_the_model_are_named() {
+        // 2 layers, top-2 of 8 experts: 4 ids per completion token.
+        let moe = Some((2, 2, 8));
+        assert_eq!(routes_problem(&[], 3, moe), None);
+        assert_eq!(routes_problem(&[], 3, None), None);
+        assert_eq!(routes_problem(&[0, 1, 2, 3, 255, 255, 255, 255], 2, moe), None);
+        let short = routes_problem(&[0, 1, 2], 2, moe).unwrap();
+        assert!(
+            short.contains("3 recorded expert routes for 2 completion tokens × 2 layers × top-2 = 8"),
+            "{short}"
+        );
+        let bad = routes_problem(&[0, 1, 9, 3], 1, moe).unwrap();
+        assert!(bad.contains("recorded expert 9 of a model with 8 experts"), "{bad}");
+        let dense = routes_problem(&[0, 1], 1, None).unwrap();
+        assert!(dense.contains("2 recorded expert routes for a dense model"), "{dense}");
+    }
 
     #[test]
     fn ffd_packs_longest_first_into_the_first_row_with_room() {

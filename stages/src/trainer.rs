@@ -324,6 +324,7 @@ impl<'a> Triage<'a> {
                     sampler_logprobs: s.completion_logprobs.clone(),
                     loss_mask: s.loss_mask.clone(),
                     advantage: s.advantage,
+                    routes: s.completion_routes.clone(),
                 });
                 Outcome::Trained
             };
@@ -894,7 +895,10 @@ impl Stage for TrainerStage {
                 s.completion_token_ids.len(),
                 s.loss_mask.len(),
             );
-            if let Some(problem) = crate::train::sample_problem(p, c, m, ctx) {
+            let moe = crate::train::moe_shape(self.learner.model.config());
+            if let Some(problem) = crate::train::sample_problem(p, c, m, ctx)
+                .or_else(|| crate::train::routes_problem(&s.completion_routes, c, moe))
+            {
                 return Err(StageError::user(format!("sample {}: {problem}", s.sample_id)));
             }
         }

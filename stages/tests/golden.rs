@@ -24,6 +24,7 @@ fn executed(group: &str, i: u32, size: u32, completion: &str) -> ExecutedRow {
         completion_token_ids: completion.bytes().map(u32::from).collect(),
         completion_logprobs: vec![-0.5; completion.len()],
         completion_versions: vec![0; completion.len()],
+        completion_routes: vec![],
         loss_mask: vec![true; completion.len()],
         ..common::rollout_row(group, i, size)
     })

@@ -40,6 +40,7 @@ fn rl_on_a_few_problems_raises_their_reward() {
             sampler_logprobs: vec![0.0; c.len()],
             completion: c,
             advantage: 0.0,
+            routes: vec![],
         }
     };
     for step in 0..30u64 {
@@ -102,6 +103,7 @@ fn rl_on_a_few_problems_raises_their_reward() {
                     sampler_logprobs: o.logprobs.clone(),
                     loss_mask: vec![true; o.tokens.len()],
                     advantage: a,
+                    routes: vec![],
                 });
             }
         }

@@ -624,6 +624,7 @@ fn sample(group: &str, i: u32, reward: f32, adv: f32, version: u32) -> SampleRow
         completion_token_ids: vec![22, 4, 2],
         completion_logprobs: vec![-3.0, -4.0, -4.5],
         completion_versions: vec![version; 3],
+        completion_routes: vec![],
         loss_mask: vec![true; 3],
         finish_reason: "stop".into(),
         reward,
@@ -1057,6 +1058,7 @@ async fn rollout_continues_a_trajectory_after_its_tool_output_with_the_tool_toke
         completion_token_ids: tok.encode(first).unwrap(),
         completion_logprobs: vec![-0.5; n_first],
         completion_versions: vec![0; n_first],
+        completion_routes: vec![],
         loss_mask: vec![true; n_first],
         finish_reason: "tool_call".into(),
         tool_outputs: vec![ToolOutput {
@@ -1208,6 +1210,7 @@ fn the_learner_refuses_a_sample_without_a_prompt() {
         sampler_logprobs: vec![-3.0, -2.5, -1.0],
         loss_mask: vec![true; 3],
         advantage: 0.5,
+        routes: vec![],
     };
     let mut l = Learner::load(dir.path(), TrainConfig::default()).unwrap();
     let err = l.step(&[sample(vec![10, 11]), sample(vec![])]).unwrap_err().to_string();
@@ -1224,6 +1227,7 @@ fn learner_steps_the_same_with_activation_checkpointing(dir: &Path, moe: bool) {
             sampler_logprobs: vec![-3.0, -2.5, -4.0, -1.0],
             loss_mask: vec![true, true, i % 2 == 0, true],
             advantage: if i % 3 == 0 { -0.5 } else { 0.7 },
+            routes: vec![],
         })
         .collect();
     let step = |ckpt: bool| {

@@ -334,6 +334,8 @@ pub fn rollout(i: u32) -> streamrl_schemas::RolloutRow {
         completion_token_ids: vec![i + 1, 0],
         completion_logprobs: vec![-0.5, -0.125],
         completion_versions: vec![i / 8, i / 8],
+        // As a top-2 mixture of two layers records them: 4 ids per token, none for the last.
+        completion_routes: vec![(i % 8) as u8, 7, 0, 3, 255, 255, 255, 255],
         loss_mask: vec![true, true],
         finish_reason: "stop".into(),
         tool_calls: if i.is_multiple_of(5) {

@@ -198,9 +198,26 @@ impl Core {
             }
             FinishReason::Length | FinishReason::Cancelled => {}
         }
+        // The experts each generated token was routed to when it was fed back (a mixture
+        // of experts on the CPU kernels); the last token is never fed: no route.
+        let per = self
+            .model
+            .config()
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.top_k * self.model.config().n_layers);
+        let routes = match &s.kv {
+            Some(kv) if per > 0 => {
+                let mut r = kv.routes_from(s.prompt.len(), per).to_vec();
+                r.resize(s.tokens.len() * per, crate::NO_ROUTE);
+                r
+            }
+            _ => Vec::new(),
+        };
         Output {
             id: s.id,
             prompt_len: s.prompt.len(),
+            routes,
             tokens: s.tokens,
             logprobs: s.logprobs,
             top_logprobs: s.top_logprobs,

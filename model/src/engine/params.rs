@@ -176,6 +176,11 @@ pub struct Output {
     pub top_logprobs: Vec<Vec<(u32, f32)>>,
     /// Policy version that produced each token.
     pub versions: Vec<u32>,
+    /// For a mixture of experts on the CPU kernels, the experts each generated token was
+    /// routed to when it was fed back: per token, per layer, `top_k` ids
+    /// ([`NO_ROUTE`](crate::NO_ROUTE) for the last token, never fed); what routing replay
+    /// records. Empty for a dense model or another step backend.
+    pub routes: Vec<u8>,
     /// Decoded completion (stop string removed), when the engine has a tokenizer.
     pub text: String,
     /// Why it finished.

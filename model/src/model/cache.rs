@@ -12,7 +12,9 @@ impl Transformer {
         mask: &Tensor,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        Ok(self.run(tokens, positions, mask, CacheArg::Shared(cache), None)?.0)
+        Ok(self
+            .run(tokens, positions, mask, CacheArg::Shared(cache), None, None)?
+            .0)
     }
 
     /// Inference forward of a ragged batch: row `r` of `tokens` (B, t) holds
@@ -38,7 +40,7 @@ impl Transformer {
             )));
         }
         Ok(self
-            .run(tokens, positions, mask, CacheArg::Ragged(caches, new_lens), None)?
+            .run(tokens, positions, mask, CacheArg::Ragged(caches, new_lens), None, None)?
             .0)
     }
 
@@ -66,7 +68,14 @@ impl Transformer {
             .broadcast_as((b, self.cfg.n_kv_heads, 1, self.cfg.head_dim))?
             .contiguous()?;
         Ok(self
-            .run(tokens, positions, mask, CacheArg::Batched(kv, &index, width), None)?
+            .run(
+                tokens,
+                positions,
+                mask,
+                CacheArg::Batched(kv, &index, width),
+                None,
+                None,
+            )?
             .0)
     }
 

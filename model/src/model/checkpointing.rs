@@ -168,7 +168,7 @@ impl Transformer {
                 None => {
                     let x = candle_core::Var::from_tensor(&inputs[i])?;
                     let mut aux = Vec::new();
-                    let y = self.block_forward(blk, x.as_tensor(), batch, fx.as_ref(), &mut aux)?;
+                    let y = self.block_forward((i, blk), x.as_tensor(), batch, fx.as_ref(), &mut aux)?;
                     let losses = aux.iter().map(|a| a.weighted(router)).collect::<Result<_>>()?;
                     (x, y, losses)
                 }
@@ -223,7 +223,7 @@ impl Transformer {
         for (i, blk) in self.blocks.iter().enumerate() {
             let x = candle_core::Var::from_tensor(inputs.last().expect("pushed"))?;
             let mut aux = Vec::new();
-            let y = self.block_forward(blk, x.as_tensor(), batch, fx, &mut aux)?;
+            let y = self.block_forward((i, blk), x.as_tensor(), batch, fx, &mut aux)?;
             let mut losses = Vec::with_capacity(aux.len());
             for a in aux {
                 losses.push(a.weighted(router)?);
@@ -252,9 +252,9 @@ impl Transformer {
         let mut inputs = Vec::with_capacity(self.blocks.len() + 1);
         inputs.push(x0.detach());
         let mut sums = RouterSums::new(&self.device)?;
-        for blk in &self.blocks {
+        for (i, blk) in self.blocks.iter().enumerate() {
             let mut aux = Vec::new();
-            let y = self.block_forward(blk, inputs.last().expect("pushed"), batch, fx, &mut aux)?;
+            let y = self.block_forward((i, blk), inputs.last().expect("pushed"), batch, fx, &mut aux)?;
             for a in aux {
                 sums.add(a)?;
             }
@@ -269,15 +269,26 @@ impl Transformer {
         Ok((inputs, sums))
     }
 
-    /// One layer's training forward (no cache) over the packed batch.
+    /// Layer `i`'s training forward (no cache) over the packed batch, replaying the
+    /// batch's recorded routes for the layer where it has them.
     fn block_forward(
         &self,
-        blk: &Block,
+        (i, blk): (usize, &Block),
         x: &Tensor,
         batch: &Packed,
         fx: Option<&FusedCtx>,
         aux: &mut Vec<RouterAux>,
     ) -> Result<Tensor> {
-        blk.forward(x, &batch.positions, &batch.mask, &self.rope, LayerCache::None, aux, fx)
+        let replay = batch.routes.as_deref().and_then(|r| r.layer(i));
+        blk.forward(
+            x,
+            &batch.positions,
+            &batch.mask,
+            &self.rope,
+            LayerCache::None,
+            aux,
+            fx,
+            replay,
+        )
     }
 }

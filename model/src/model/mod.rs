@@ -36,7 +36,7 @@ pub use logprobs::{
 };
 pub(crate) use moe::Moe;
 pub use moe::{MoeStats, RouterAux};
-pub use packing::{MASKED, Packed};
+pub use packing::{MASKED, NO_ROUTE, Packed, Routes, SampleRoutes};
 
 #[derive(Debug, Clone)]
 pub(crate) enum FeedForward {
@@ -85,6 +85,7 @@ impl Block {
         cache: LayerCache<'_>,
         aux: &mut Vec<RouterAux>,
         fused: Option<&FusedCtx>,
+        recorded: Option<(&[u8], bool)>,
     ) -> Result<Tensor> {
         let on = fused.is_some();
         let a = self.attn_norm.apply(x, on)?;
@@ -98,7 +99,7 @@ impl Block {
             FeedForward::Dense(m) => m.apply(&n, on)?,
             FeedForward::Moe(m) => {
                 let (b, t, d) = n.dims3()?;
-                let (y, a) = m.forward(&n.reshape((b * t, d))?)?;
+                let (y, a) = m.forward(&n.reshape((b * t, d))?, recorded)?;
                 aux.push(a);
                 y.reshape((b, t, d))?
             }
@@ -339,6 +340,7 @@ impl Transformer {
         mask: &Tensor,
         mut cache: CacheArg<'_, '_>,
         at: Option<&Tensor>,
+        routes: Option<&Routes>,
     ) -> Result<(Tensor, Aux)> {
         let (b, t) = tokens.dims2()?;
         let max_pos = positions.max_all()?.to_scalar::<u32>()? as usize;
@@ -359,7 +361,8 @@ impl Transformer {
         };
         for (i, blk) in self.blocks.iter().enumerate() {
             let c = cache.layer(i);
-            x = blk.forward(&x, positions, mask, &self.rope, c, &mut aux, fx.as_ref())?;
+            let replay = routes.and_then(|r| r.layer(i));
+            x = blk.forward(&x, positions, mask, &self.rope, c, &mut aux, fx.as_ref(), replay)?;
         }
         let x = self.head_input(&x, at, fx.is_some())?;
         let logits = self.logits(&x, fx.is_some())?;
@@ -378,7 +381,15 @@ impl Transformer {
 
     /// Training forward over a packed batch: logits (B, T, V) plus MoE auxiliaries.
     pub fn forward(&self, batch: &Packed) -> Result<(Tensor, Aux)> {
-        self.run(&batch.tokens, &batch.positions, &batch.mask, CacheArg::None, None)
+        let routes = batch.routes.as_deref();
+        self.run(
+            &batch.tokens,
+            &batch.positions,
+            &batch.mask,
+            CacheArg::None,
+            None,
+            routes,
+        )
     }
 
     /// [`Transformer::forward`] with the head applied only at the flat positions `at`
@@ -388,6 +399,14 @@ impl Transformer {
     /// the logits' memory, over the prompts and the padding.
     pub fn forward_at(&self, batch: &Packed, at: &[u32]) -> Result<(Tensor, Aux)> {
         let at = self.positions_at(batch, at)?;
-        self.run(&batch.tokens, &batch.positions, &batch.mask, CacheArg::None, Some(&at))
+        let routes = batch.routes.as_deref();
+        self.run(
+            &batch.tokens,
+            &batch.positions,
+            &batch.mask,
+            CacheArg::None,
+            Some(&at),
+            routes,
+        )
     }
 }

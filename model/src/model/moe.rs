@@ -15,6 +15,12 @@ pub struct MoeStats {
     pub router_entropy: f32,
     /// The router z-loss: mean over tokens of `logsumexp(router logits)²`.
     pub z_loss: f32,
+    /// Tokens with recorded routes (routing replay): routed as recorded when replaying,
+    /// else only compared.
+    pub recorded: usize,
+    /// Of the tokens with recorded routes, those whose experts this forward's router
+    /// chooses differently (as a set: the order of the top-k does not count).
+    pub mismatched: usize,
 }
 
 impl MoeStats {
@@ -44,6 +50,8 @@ impl MoeStats {
         for (x, y) in self.tokens_per_expert.iter_mut().zip(&other.tokens_per_expert) {
             *x += y;
         }
+        self.recorded += other.recorded;
+        self.mismatched += other.mismatched;
         self.imbalance = Self::imbalance_of(&self.tokens_per_expert);
     }
 }
@@ -100,10 +108,25 @@ impl Moe {
         })
     }
 
-    /// x: (N, d) → (out (N, d), the router's losses and statistics).
-    pub(crate) fn forward(&self, x: &Tensor) -> Result<(Tensor, RouterAux)> {
+    /// x: (N, d) → (out (N, d), the router's losses and statistics). With `recorded`
+    /// routes (`top_k` expert ids per token, [`NO_ROUTE`](super::NO_ROUTE) where none was
+    /// recorded) and `replay`, a token goes to its recorded experts instead of its top-k:
+    /// the output combines those experts with the router's scores for them, so gradients
+    /// still reach the router through its logits. Replayed or not, the statistics count
+    /// the recorded tokens whose own top-k differs.
+    pub(crate) fn forward(&self, x: &Tensor, recorded: Option<(&[u8], bool)>) -> Result<(Tensor, RouterAux)> {
+        let replay = recorded.map(|(r, _)| r);
+        let replaying = recorded.is_some_and(|(_, on)| on);
         let (n, _d) = x.dims2()?;
-        let e = self.cfg.n_experts;
+        let (e, k) = (self.cfg.n_experts, self.cfg.top_k);
+        if let Some(r) = replay
+            && r.len() != n * k
+        {
+            return Err(Error::Shape(format!(
+                "routes to replay: {} expert ids for {n} tokens × top-{k}",
+                r.len()
+            )));
+        }
         // Routing in f32 whatever the weights' dtype (the balance loss is f32).
         let logits = self.router.forward(x)?.to_dtype(DType::F32)?;
         let scores = match self.cfg.score {
@@ -114,10 +137,35 @@ impl Moe {
         let host = scores.to_vec2::<f32>()?;
         let mut onehot = vec![0f32; n * e];
         let mut routed: Vec<Vec<u32>> = vec![Vec::new(); e];
+        let (mut with_routes, mut mismatched) = (0, 0);
+        let mut order: Vec<usize> = Vec::with_capacity(e);
         for (i, row) in host.iter().enumerate() {
-            let mut order: Vec<usize> = (0..e).collect();
+            order.clear();
+            order.extend(0..e);
             order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-            for &j in &order[..self.cfg.top_k] {
+            let own = &order[..k];
+            let chosen: Vec<usize> = match replay.map(|r| &r[i * k..(i + 1) * k]) {
+                Some(rec) if rec[0] != super::NO_ROUTE => {
+                    with_routes += 1;
+                    let rec: Vec<usize> = rec.iter().map(|&j| j as usize).collect();
+                    if let Some(&bad) = rec.iter().find(|&&j| j >= e) {
+                        return Err(Error::Shape(format!(
+                            "routes to replay: expert {bad} of a layer with {e} experts"
+                        )));
+                    }
+                    if (1..k).any(|a| rec[..a].contains(&rec[a])) {
+                        return Err(Error::Shape(format!(
+                            "routes to replay: token {i} names an expert twice: {rec:?}"
+                        )));
+                    }
+                    if own.iter().any(|j| !rec.contains(j)) {
+                        mismatched += 1;
+                    }
+                    if replaying { rec } else { own.to_vec() }
+                }
+                _ => own.to_vec(),
+            };
+            for j in chosen {
                 onehot[i * e + j] = 1.0;
                 routed[j].push(i as u32);
             }
@@ -173,6 +221,8 @@ impl Moe {
             tokens_per_expert: counts,
             router_entropy: entropy,
             z_loss: z.to_scalar::<f32>()?,
+            recorded: with_routes,
+            mismatched,
         };
         Ok((out, RouterAux { balance: aux, z, stats }))
     }

@@ -328,6 +328,8 @@ impl TextChoice {
             tokens,
             logprobs,
             versions,
+            // A remote server reports no routing.
+            routes: Vec::new(),
             text,
             finish_reason: reason,
             queued_at: 0,

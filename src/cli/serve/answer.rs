@@ -367,6 +367,7 @@ fn empty_output(prompt_len: usize) -> Output {
         logprobs: Vec::new(),
         top_logprobs: Vec::new(),
         versions: Vec::new(),
+        routes: Vec::new(),
         text: String::new(),
         finish_reason: FinishReason::Length,
         queued_at: 0,

@@ -46,6 +46,7 @@ pub fn rollout_row(group: &str, i: u32, size: u32) -> RolloutRow {
         completion_token_ids: vec![22, 4, 2],
         completion_logprobs: vec![-0.5, -0.25, -0.1],
         completion_versions: vec![0, 0, 0],
+        completion_routes: vec![],
         loss_mask: vec![true, true, true],
         finish_reason: "stop".into(),
         tool_calls: vec![],
