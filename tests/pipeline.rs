@@ -302,14 +302,19 @@ fn a_mixture_of_experts_policy_trains_through_every_stage_with_its_expert_load_p
     .unwrap();
     assert!(joined >= 24, "{joined}");
     // Routing replay: the trainer replayed the recorded routes of every fed completion
-    // token and published how many its own router would have sent elsewhere (a fraction).
+    // token (none routed elsewhere) and published how many its own router would have
+    // sent elsewhere (a fraction).
     assert_eq!(
         q("SELECT count(*), min(value) > 0 FROM metrics WHERE stage = 'trainer' AND name = 'moe_recorded_routes'"),
         ["3,true"]
     );
     assert_eq!(
+        q("SELECT count(*), max(value) = 0 FROM metrics WHERE stage = 'trainer' AND name = 'moe_routing_mismatch'"),
+        ["3,true"]
+    );
+    assert_eq!(
         q(
-            "SELECT count(*), min(value) >= 0, max(value) <= 1 FROM metrics WHERE stage = 'trainer' AND name = 'moe_routing_mismatch'"
+            "SELECT count(*), min(value) >= 0, max(value) <= 1 FROM metrics WHERE stage = 'trainer' AND name = 'moe_router_disagreement'"
         ),
         ["3,true,true"]
     );

@@ -680,7 +680,11 @@ fn a_mixture_of_experts_records_its_routes_and_the_trainer_replays_them() {
         assert_eq!(stats.len(), cfg.n_layers);
         for s in &stats {
             assert_eq!(s.recorded, o.tokens.len() - 1, "every fed completion token replayed");
-            assert_eq!(s.mismatched, 0, "f32: the trainer's router agrees with the sampler's");
+            assert_eq!(
+                (s.mismatched, s.disagreed),
+                (0, 0),
+                "f32: the trainer's router agrees with the sampler's"
+            );
         }
         recorded += o.tokens.len() - 1;
     }
@@ -690,9 +694,10 @@ fn a_mixture_of_experts_records_its_routes_and_the_trainer_replays_them() {
 /// Routing replay sends each token exactly where the record says: with every recorded
 /// token sent to other experts than its own, the logprobs up to the first recorded
 /// position stay (causal: nothing replayed reaches them; to the rounding of the experts'
-/// products over other batches of tokens), every recorded token counts as mismatched, and
-/// the logprobs after it change; compared only (`replay: false`), the same record changes
-/// nothing but the count.
+/// products over other batches of tokens), every recorded token is routed as recorded (no
+/// mismatch) against its own router's choice (disagreed), and the logprobs after it
+/// change; compared only (`replay: false`), the same record changes nothing but the
+/// counts: every recorded token is then routed elsewhere than recorded.
 #[test]
 fn replayed_routes_that_differ_change_the_forward_as_recorded() {
     let (e, outs) = moe_outputs();
@@ -734,15 +739,15 @@ fn replayed_routes_that_differ_change_the_forward_as_recorded() {
     // The first layer's router sees what it saw when sampling, and is overruled on every
     // recorded token; later layers see the states the replay changed.
     let n = o.tokens.len() - 1;
-    assert_eq!((stats[0].recorded, stats[0].mismatched), (n, n));
+    assert_eq!((stats[0].recorded, stats[0].mismatched, stats[0].disagreed), (n, 0, n));
     for s in &stats[1..] {
-        assert!(s.recorded == n && s.mismatched >= n / 2, "{s:?}");
+        assert!(s.recorded == n && s.mismatched == 0 && s.disagreed >= n / 2, "{s:?}");
     }
     for (a, b) in own.iter().zip(&compared) {
         assert_eq!(a.to_bits(), b.to_bits(), "compared only: the forward routes itself");
     }
     for s in &compared_stats {
-        assert_eq!((s.recorded, s.mismatched), (n, n));
+        assert_eq!((s.recorded, s.mismatched, s.disagreed), (n, n, n));
     }
 }
 

@@ -70,15 +70,20 @@ pub mod name {
     /// the step's MoE layers (1: perfectly balanced; the progress line's `moe` figure).
     pub const MOE_MAX_LOAD: &str = "moe_max_load";
     /// Of the token routings the sampler recorded (over the MoE layers), the fraction the
-    /// trainer's own router sends (or, replaying, would send) to other experts (only for
-    /// MoE models; 0 when nothing was recorded).
+    /// training forward sent to other experts than the sampler did (only for MoE models;
+    /// 0 when nothing was recorded, and with `routing: replay`, which uses the record).
     pub const MOE_ROUTING_MISMATCH: &str = "moe_routing_mismatch";
+    /// Of the token routings the sampler recorded, the fraction the trainer's own router
+    /// would send to other experts, replayed or not: how far the two routings drift apart
+    /// (equal to `moe_routing_mismatch` with `routing: recompute`).
+    pub const MOE_ROUTER_DISAGREEMENT: &str = "moe_router_disagreement";
     /// Token routings the sampler recorded for the step, summed over the MoE layers.
     pub const MOE_RECORDED: &str = "moe_recorded_routes";
     /// `moe/<layer>/…`: one MoE layer's routing over the step: `load/<expert>` (the
     /// expert's share of the layer's routed tokens), `imbalance`, `router_entropy`
-    /// (nats), `z_loss`, `recorded_routes` (tokens the sampler recorded routes for) and
-    /// `routing_mismatch` (of those, the fraction the trainer's router differs on).
+    /// (nats), `z_loss`, `recorded_routes` (tokens the sampler recorded routes for),
+    /// `routing_mismatch` (of those, the fraction the training forward routed elsewhere)
+    /// and `router_disagreement` (the fraction the trainer's router would route elsewhere).
     pub const MOE_PREFIX: &str = "moe/";
     /// `staleness_<k>`: samples `k` versions behind the trainer.
     pub const STALENESS_PREFIX: &str = "staleness_";
@@ -198,19 +203,18 @@ impl StepMetrics {
             rows.push((format!("{p}router_entropy"), m.router_entropy as f64));
             rows.push((format!("{p}z_loss"), m.z_loss as f64));
             rows.push((format!("{p}recorded_routes"), m.recorded as f64));
-            rows.push((
-                format!("{p}routing_mismatch"),
-                m.mismatched as f64 / m.recorded.max(1) as f64,
-            ));
+            let of_recorded = |c: usize| c as f64 / m.recorded.max(1) as f64;
+            rows.push((format!("{p}routing_mismatch"), of_recorded(m.mismatched)));
+            rows.push((format!("{p}router_disagreement"), of_recorded(m.disagreed)));
         }
         if !self.moe.is_empty() {
             let recorded: usize = self.moe.iter().map(|m| m.recorded).sum();
-            let mismatched: usize = self.moe.iter().map(|m| m.mismatched).sum();
+            let of_recorded = |f: fn(&streamrl_model::MoeStats) -> usize| {
+                self.moe.iter().map(f).sum::<usize>() as f64 / recorded.max(1) as f64
+            };
             rows.push((name::MOE_RECORDED.to_string(), recorded as f64));
-            rows.push((
-                name::MOE_ROUTING_MISMATCH.to_string(),
-                mismatched as f64 / recorded.max(1) as f64,
-            ));
+            rows.push((name::MOE_ROUTING_MISMATCH.to_string(), of_recorded(|m| m.mismatched)));
+            rows.push((name::MOE_ROUTER_DISAGREEMENT.to_string(), of_recorded(|m| m.disagreed)));
         }
         for (k, c) in &self.staleness {
             rows.push((format!("{}{k}", name::STALENESS_PREFIX), *c as f64));

@@ -76,9 +76,10 @@ pub struct TrainConfig {
     /// `completion_routes`), so that the trainer's logprobs are those of the policy that
     /// sampled: gradients still reach the router through its scores for those experts;
     /// tokens without recorded routes (prompts, tool output, a sampler that recorded
-    /// none) are routed afresh. `recompute` routes every token afresh. Either way the
-    /// step reports how many tokens with recorded routes the trainer's router sends (or
-    /// would send) elsewhere (`moe_routing_mismatch`).
+    /// none) are routed afresh. `recompute` routes every token afresh. The step reports
+    /// the fraction of tokens with recorded routes that the forward routed elsewhere
+    /// (`moe_routing_mismatch`: 0 when replaying) and that the trainer's own router would
+    /// route elsewhere (`moe_router_disagreement`, replayed or not).
     /// Dense models ignore it.
     pub routing: Routing,
 }

@@ -18,9 +18,14 @@ pub struct MoeStats {
     /// Tokens with recorded routes (routing replay): routed as recorded when replaying,
     /// else only compared.
     pub recorded: usize,
-    /// Of the tokens with recorded routes, those whose experts this forward's router
-    /// chooses differently (as a set: the order of the top-k does not count).
+    /// Of the tokens with recorded routes, those this forward sent to other experts than
+    /// the recorded ones (as a set: the order of the top-k does not count): every one of
+    /// [`disagreed`](Self::disagreed) when routing afresh, none when replaying.
     pub mismatched: usize,
+    /// Of the tokens with recorded routes, those whose experts this forward's own router
+    /// chooses differently, replayed or not: how far the trainer's routing has drifted
+    /// from the sampler's.
+    pub disagreed: usize,
 }
 
 impl MoeStats {
@@ -52,6 +57,7 @@ impl MoeStats {
         }
         self.recorded += other.recorded;
         self.mismatched += other.mismatched;
+        self.disagreed += other.disagreed;
         self.imbalance = Self::imbalance_of(&self.tokens_per_expert);
     }
 }
@@ -112,8 +118,9 @@ impl Moe {
     /// routes (`top_k` expert ids per token, [`NO_ROUTE`](super::NO_ROUTE) where none was
     /// recorded) and `replay`, a token goes to its recorded experts instead of its top-k:
     /// the output combines those experts with the router's scores for them, so gradients
-    /// still reach the router through its logits. Replayed or not, the statistics count
-    /// the recorded tokens whose own top-k differs.
+    /// still reach the router through its logits. The statistics count the recorded
+    /// tokens routed elsewhere than recorded (none when replaying) and those whose own
+    /// top-k differs (replayed or not).
     pub(crate) fn forward(&self, x: &Tensor, recorded: Option<(&[u8], bool)>) -> Result<(Tensor, RouterAux)> {
         let replay = recorded.map(|(r, _)| r);
         let replaying = recorded.is_some_and(|(_, on)| on);
@@ -137,7 +144,7 @@ impl Moe {
         let host = scores.to_vec2::<f32>()?;
         let mut onehot = vec![0f32; n * e];
         let mut routed: Vec<Vec<u32>> = vec![Vec::new(); e];
-        let (mut with_routes, mut mismatched) = (0, 0);
+        let (mut with_routes, mut mismatched, mut disagreed) = (0, 0, 0);
         let mut order: Vec<usize> = Vec::with_capacity(e);
         for (i, row) in host.iter().enumerate() {
             order.clear();
@@ -159,7 +166,10 @@ impl Moe {
                         )));
                     }
                     if own.iter().any(|j| !rec.contains(j)) {
-                        mismatched += 1;
+                        disagreed += 1;
+                        if !replaying {
+                            mismatched += 1;
+                        }
                     }
                     if replaying { rec } else { own.to_vec() }
                 }
@@ -223,6 +233,7 @@ impl Moe {
             z_loss: z.to_scalar::<f32>()?,
             recorded: with_routes,
             mismatched,
+            disagreed,
         };
         Ok((out, RouterAux { balance: aux, z, stats }))
     }
