@@ -16,9 +16,10 @@ use clap::Subcommand;
 
 #[derive(Subcommand)]
 pub enum Which {
-    /// Training tokens/s (forward + backward + optimizer), single-threaded, at three shapes:
-    /// streamrl (fused ops, fused AdamW) vs the same model op by op with candle's stock
-    /// AdamW, and vs PyTorch on the same shapes when a python3 imports torch.
+    /// Training step time and tokens/s (forward + backward + optimizer) at four shapes (two
+    /// small, SmolLM2-135M's at 4×128 and 8×256 tokens) on 1 and 2 threads: streamrl in
+    /// f32 and bf16, the small shapes also op by op in candle with its stock AdamW, against
+    /// PyTorch + transformers in f32 and bf16 in the same run ("not measured" without them).
     Train {
         /// Timed steps per shape (after one warm-up step).
         #[arg(long, default_value_t = 3)]
@@ -43,8 +44,9 @@ pub enum Which {
     /// bandwidth, and training and decode tokens/s of the tiny, small and SmolLM2-135M
     /// shapes against PyTorch on the same device and dtype.
     Gpu(gpu::GpuArgs),
-    /// Decode tokens/s of the KV-cache sampler at batch 1 and 32 (static batches), tiny and
-    /// small presets, single-threaded.
+    /// Decode tokens/s of the KV-cache sampler (batch 1, 32 and 128) against full
+    /// recompute, continuous against static batching on a mixed workload, and each preset
+    /// through the engine and HF `generate` in f32 and bf16 on 1 and 2 threads.
     Generate {
         /// New tokens per sequence.
         #[arg(long, default_value_t = 64)]
