@@ -384,12 +384,37 @@ fn convert(v: View<'_>, buf: &mut Vec<u16>) -> Order {
         );
         return if dense_rows { Order::Rows } else { Order::Cols };
     }
-    for (r, row) in buf.chunks_exact_mut(v.cols).enumerate() {
-        for (c, d) in row.iter_mut().enumerate() {
-            *d = round(v.data[r * v.rs + c * v.cs]);
+    // Rows (or columns) dense but spaced apart (a slice of a wider matrix): one
+    // vectorised run per row (column), kept in that order. Elementwise indexing here ran
+    // scalar (an overflow-checked multiply per element in debug builds).
+    let (lines, len, step, order) = if v.cs == 1 {
+        (v.rows, v.cols, v.rs, Order::Rows)
+    } else if v.rs == 1 {
+        (v.cols, v.rows, v.cs, Order::Cols)
+    } else {
+        for (r, row) in buf.chunks_exact_mut(v.cols).enumerate() {
+            for (c, d) in row.iter_mut().enumerate() {
+                *d = round(v.data[r * v.rs + c * v.cs]);
+            }
         }
+        return Order::Rows;
+    };
+    if len == 0 {
+        return order;
     }
-    Order::Rows
+    let data = v.data;
+    cpu::vectorized(
+        #[inline(always)]
+        || {
+            for (i, dst) in buf.chunks_exact_mut(len).enumerate().take(lines) {
+                let src = &data[i * step..i * step + len];
+                for (d, &x) in dst.iter_mut().zip(src) {
+                    *d = round(x);
+                }
+            }
+        },
+    );
+    order
 }
 
 /// The strides of a `(rows, cols)` matrix lying in `o`.

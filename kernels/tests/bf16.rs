@@ -331,3 +331,29 @@ fn prepared_weights_give_the_products_of_converting_per_call() {
         }
     }
 }
+
+#[test]
+fn spaced_views_give_the_products_of_compact_copies() {
+    // Blocks of wider matrices (rows or, transposed, columns spaced apart: q/k/v slices of
+    // a fused projection) are converted run by run; the products must be those of the
+    // same values stored compactly, to the bit, on whichever path this CPU takes.
+    fetch_onednn();
+    let (m, k, n, wide) = (37, 70, 45, 101);
+    let a_wide = values(m * wide, 7);
+    let b_wide = values(k * wide, 8);
+    let a = View::block(&a_wide, m, k, wide);
+    let b_t = View::block(&b_wide, n, k, wide).t(); // (k, n) with its columns spaced
+    let compact_a: Vec<f32> = (0..m).flat_map(|r| a_wide[r * wide..r * wide + k].to_vec()).collect();
+    let compact_bt: Vec<f32> = (0..n).flat_map(|r| b_wide[r * wide..r * wide + k].to_vec()).collect();
+    let mut got = vec![0f32; m * n];
+    bf16::gemm(ViewMut::rows(&mut got, m, n), a, b_t, false, 1.0);
+    let mut want = vec![0f32; m * n];
+    bf16::gemm(
+        ViewMut::rows(&mut want, m, n),
+        View::rows(&compact_a, m, k),
+        View::rows(&compact_bt, n, k).t(),
+        false,
+        1.0,
+    );
+    assert_eq!(got, want, "{}", bf16::describe());
+}
