@@ -122,7 +122,9 @@ pub unsafe fn sleep_between_products() {
 #[inline(always)]
 pub fn round(x: f32) -> u16 {
     let u = x.to_bits();
-    let rounded = ((u as u64 + 0x7fff + ((u >> 16) & 1) as u64) >> 16) as u16;
+    // Wrapping (it cannot wrap below NaN's bit patterns, which are answered apart): an
+    // overflow check (debug builds) kept conversion loops from vectorising.
+    let rounded = (u.wrapping_add(0x7fff + ((u >> 16) & 1)) >> 16) as u16;
     if u & 0x7fff_ffff > 0x7f80_0000 {
         0x7fc0 | (u >> 16) as u16 & 0x8000
     } else {
