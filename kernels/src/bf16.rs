@@ -372,27 +372,14 @@ fn convert(v: View<'_>, buf: &mut Vec<u16>) -> Order {
     // Every element is written below: growing without zeroing would do, but a resize of
     // a reused buffer only zeroes what it has not held before.
     buf.resize(len, 0);
-    let dense_cols = v.rs == 1 && (v.cs == v.rows || v.cols == 1);
-    let dense_rows = v.cs == 1 && (v.rs == v.cols || v.rows == 1);
-    if dense_rows || dense_cols {
-        let src = &v.data[..len];
-        cpu::vectorized(
-            #[inline(always)]
-            || {
-                for (d, &x) in buf.iter_mut().zip(src) {
-                    *d = round(x);
-                }
-            },
-        );
-        return if dense_rows { Order::Rows } else { Order::Cols };
-    }
-    // Rows (or columns) dense but spaced apart (a slice of a wider matrix): one
-    // vectorised run per row (column), kept in that order. Elementwise indexing here ran
-    // scalar (an overflow-checked multiply per element in debug builds).
-    let (lines, len, step, order) = if v.cs == 1 {
-        (v.rows, v.cols, v.rs, Order::Rows)
+    // Rows dense, or columns dense, one after another or spaced apart (a slice of a wider
+    // matrix): one vectorised run per row (column), or one for the whole matrix when they
+    // are contiguous, kept in that order. Any other layout is read element by element, by
+    // rows.
+    let (line, step, order) = if v.cs == 1 {
+        (v.cols, v.rs, Order::Rows)
     } else if v.rs == 1 {
-        (v.cols, v.rows, v.cs, Order::Cols)
+        (v.rows, v.cs, Order::Cols)
     } else {
         for (r, row) in buf.chunks_exact_mut(v.cols).enumerate() {
             for (c, d) in row.iter_mut().enumerate() {
@@ -401,16 +388,18 @@ fn convert(v: View<'_>, buf: &mut Vec<u16>) -> Order {
         }
         return Order::Rows;
     };
-    if len == 0 {
+    let (line, step) = if step == line { (len, len) } else { (line, step) };
+    if line == 0 {
         return order;
     }
     let data = v.data;
+    // Slices per run, not indexing per element: an overflow-checked multiply per element
+    // (debug builds) kept this loop scalar.
     cpu::vectorized(
         #[inline(always)]
         || {
-            for (i, dst) in buf.chunks_exact_mut(len).enumerate().take(lines) {
-                let src = &data[i * step..i * step + len];
-                for (d, &x) in dst.iter_mut().zip(src) {
+            for (i, dst) in buf.chunks_exact_mut(line).enumerate() {
+                for (d, &x) in dst.iter_mut().zip(&data[i * step..i * step + line]) {
                     *d = round(x);
                 }
             }
