@@ -662,18 +662,22 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
 
 /// Grouped-query attention of one token over a sequence's cached keys and values.
 ///
-/// `q` is (heads, hd); `keys` and `values` are (len, kv_heads, hd), position-major, and
-/// the token attends to all `len` positions; head `h` reads kv head `h / (heads /
-/// kv_heads)`. Writes `out` (heads, hd). `scores` is scratch of at least `len`.
+/// `q` is (heads, hd). `keys_t` holds the keys transposed, (kv_heads, hd, ld) with
+/// `ld ≥ len`: dimension `d` of kv head `g` at position `j` is `keys_t[(g·hd + d)·ld + j]`,
+/// so that a query's scores run over 32 positions at once ([`scores_transposed`]).
+/// `values` are (len, kv_heads, hd), position-major. The token attends to all `len`
+/// positions; head `h` reads kv head `h / (heads / kv_heads)`. Writes `out` (heads, hd).
+/// `scores` is scratch of at least `len`.
 ///
 /// Sums in the training forward's order ([`crate::train::attention_forward`]), so a decode
 /// step's output equals the training forward's row for that token to the bit: each score a
-/// chain of fused multiply-adds along the head dimension (as [`scores_transposed`]), then
-/// [`softmax_in_place`], then [`weighted_sum`].
+/// chain of fused multiply-adds along the head dimension ([`scores_transposed`], as the
+/// training forward computes it), then [`softmax_in_place`], then [`weighted_sum`].
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     q: &[f32],
-    keys: &[f32],
+    keys_t: &[f32],
+    ld: usize,
     values: &[f32],
     len: usize,
     kv_heads: usize,
@@ -685,6 +689,12 @@ pub fn attend(
     let heads = q.len() / hd;
     let rep = heads / kv_heads;
     let stride = kv_heads * hd;
+    assert!(
+        ld >= len && keys_t.len() >= (kv_heads * hd - 1) * ld + len,
+        "attend: {len} positions of {kv_heads}×{hd} transposed keys need ld ≥ {len} and {} values (ld {ld}, {} given)",
+        (kv_heads * hd - 1) * ld + len,
+        keys_t.len()
+    );
     let s = &mut scores[..len];
     with_fma(
         #[inline(always)]
@@ -692,37 +702,12 @@ pub fn attend(
             for head in 0..heads {
                 let g = head / rep;
                 let qh = &q[head * hd..(head + 1) * hd];
-                fma_scores(qh, &keys[g * hd..], stride, scale, s);
+                scores_transposed(qh, &keys_t[g * hd * ld..], ld, scale, s);
                 softmax_in_place(s);
                 weighted_sum(s, &values[g * hd..], stride, &mut out[head * hd..(head + 1) * hd]);
             }
         },
     )
-}
-
-/// `s[j] = scale · Σ_d q[d] · k[j·stride + d]`, each sum one chain of fused multiply-adds
-/// in `d` order from zero (eight keys at a time, so that the chains overlap).
-#[inline(always)]
-fn fma_scores(q: &[f32], k: &[f32], stride: usize, scale: f32, s: &mut [f32]) {
-    const L: usize = 8;
-    let hd = q.len();
-    let full = s.len() / L * L;
-    for (b, chunk) in s[..full].chunks_exact_mut(L).enumerate() {
-        let keys: [&[f32]; L] = std::array::from_fn(|l| &k[(b * L + l) * stride..(b * L + l) * stride + hd]);
-        let mut acc = [0f32; L];
-        for (d, &qd) in q.iter().enumerate() {
-            for l in 0..L {
-                acc[l] = qd.mul_add(keys[l][d], acc[l]);
-            }
-        }
-        for (o, a) in chunk.iter_mut().zip(acc) {
-            *o = a * scale;
-        }
-    }
-    for (j, o) in s.iter_mut().enumerate().skip(full) {
-        let kj = &k[j * stride..j * stride + hd];
-        *o = q.iter().zip(kj).fold(0f32, |acc, (a, b)| a.mul_add(*b, acc)) * scale;
-    }
 }
 
 /// Keys per block of [`scores_transposed`] and value columns per block of
@@ -765,8 +750,81 @@ pub fn scores_transposed(q: &[f32], kt: &[f32], ld: usize, scale: f32, s: &mut [
 /// position order, terms with `p[j] = 0` (masked positions) skipped, so that a row of
 /// probabilities padded with zeros (other samples of a packed row, future positions) sums
 /// exactly as its nonzero part alone. 32 columns at a time (kept in registers).
+///
+/// On x86-64 with AVX2 and FMA, and a width that is a multiple of 8, written with the
+/// instructions themselves: the compiler kept the loop below, under its zero test, in
+/// scalar registers spilled to the stack (it was a quarter of a SmolLM2-sized decode
+/// step at batch 32). Both round once per term in the same order: the same bits.
 #[inline(always)]
+#[allow(unsafe_code)]
 pub fn weighted_sum(p: &[f32], v: &[f32], stride: usize, out: &mut [f32]) {
+    let hd = out.len();
+    if let Some(last) = p.len().checked_sub(1) {
+        assert!(
+            v.len() >= last * stride + hd,
+            "weighted_sum: {} positions of width {hd} at stride {stride} need {} values, {} given",
+            p.len(),
+            last * stride + hd,
+            v.len()
+        );
+    }
+    #[cfg(target_arch = "x86_64")]
+    if hd.is_multiple_of(8) && std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    {
+        // SAFETY: the CPU has both features (checked just above) and every read stays
+        // inside `v` (asserted above) and every write inside `out`.
+        return unsafe { weighted_sum_avx2(p, v, stride, out) };
+    }
+    weighted_sum_portable(p, v, stride, out)
+}
+
+/// [`weighted_sum`] in eight-lane registers: 32 columns at a time, then 8.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(unsafe_code)]
+unsafe fn weighted_sum_avx2(p: &[f32], v: &[f32], stride: usize, out: &mut [f32]) {
+    use std::arch::x86_64::{_mm256_fmadd_ps, _mm256_loadu_ps, _mm256_set1_ps, _mm256_setzero_ps, _mm256_storeu_ps};
+    /// Columns `c..c + 8·N` of the sum, kept in `N` registers.
+    #[inline(always)]
+    unsafe fn block<const N: usize>(p: &[f32], v: *const f32, stride: usize, out: *mut f32) {
+        // SAFETY (all below): the caller's bounds: `v` holds `p.len()` rows of `stride`
+        // reaching these columns, `out` these columns.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); N];
+            for (j, &pj) in p.iter().enumerate() {
+                if pj == 0.0 {
+                    continue;
+                }
+                let a = _mm256_set1_ps(pj);
+                let x = v.add(j * stride);
+                for (l, r) in acc.iter_mut().enumerate() {
+                    *r = _mm256_fmadd_ps(a, _mm256_loadu_ps(x.add(8 * l)), *r);
+                }
+            }
+            for (l, r) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.add(8 * l), *r);
+            }
+        }
+    }
+    let hd = out.len();
+    let (v, o) = (v.as_ptr(), out.as_mut_ptr());
+    let mut c = 0;
+    // SAFETY: columns c..c + 32 (then c..c + 8) lie within `hd`, a multiple of 8.
+    unsafe {
+        while c + BLOCK <= hd {
+            block::<{ BLOCK / 8 }>(p, v.add(c), stride, o.add(c));
+            c += BLOCK;
+        }
+        while c < hd {
+            block::<1>(p, v.add(c), stride, o.add(c));
+            c += 8;
+        }
+    }
+}
+
+/// [`weighted_sum`] in plain loops.
+#[inline(always)]
+fn weighted_sum_portable(p: &[f32], v: &[f32], stride: usize, out: &mut [f32]) {
     let hd = out.len();
     let full = hd / BLOCK * BLOCK;
     for (b, chunk) in out[..full].chunks_exact_mut(BLOCK).enumerate() {
@@ -1005,12 +1063,57 @@ mod tests {
     }
 
     #[test]
+    fn weighted_sum_in_avx2_registers_is_the_portable_loops_bits() {
+        // Widths of 32-column blocks, 8-column rest, both, and one only the loops take;
+        // probabilities with zeros (masked positions), values read at a wider stride.
+        #[cfg(target_arch = "x86_64")]
+        let avx2 = std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
+        #[cfg(not(target_arch = "x86_64"))]
+        let avx2 = false;
+        println!(
+            "weighted_sum: AVX2 + FMA path {}",
+            if avx2 { "runs" } else { "absent: loops only" }
+        );
+        for hd in [64, 40, 8, 6] {
+            let (len, stride) = (37, hd + 24);
+            let mut p = data(len, 21);
+            for j in (0..len).step_by(5) {
+                p[j] = 0.0;
+            }
+            let v = data((len - 1) * stride + hd, 22);
+            let (mut got, mut want) = (vec![f32::NAN; hd], vec![f32::NAN; hd]);
+            weighted_sum(&p, &v, stride, &mut got);
+            weighted_sum_portable(&p, &v, stride, &mut want);
+            assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "width {hd}"
+            );
+            for (c, &g) in got.iter().enumerate() {
+                let exact: f64 = (0..len).map(|j| p[j] as f64 * v[j * stride + c] as f64).sum();
+                assert!(
+                    (g as f64 - exact).abs() < 1e-4,
+                    "width {hd}, column {c}: {g} vs {exact}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn attention_matches_a_naive_softmax_over_positions() {
         let (heads, kv, hd, len) = (4, 2, 8, 5);
         let q = data(heads * hd, 3);
         let (k, v) = (data(len * kv * hd, 4), data(len * kv * hd, 5));
         let mut out = vec![0.0; heads * hd];
-        attend(&q, &k, &v, len, kv, hd, 0.3, &mut [0.0; 16], &mut out);
+        // The keys transposed with room for 3 more positions (ld > len).
+        let ld = len + 3;
+        let mut kt = vec![f32::NAN; kv * hd * ld];
+        for j in 0..len {
+            for r in 0..kv * hd {
+                kt[r * ld + j] = k[j * kv * hd + r];
+            }
+        }
+        attend(&q, &kt, ld, &v, len, kv, hd, 0.3, &mut [0.0; 16], &mut out);
         for h in 0..heads {
             let g = h / 2;
             let s: Vec<f32> = (0..len)

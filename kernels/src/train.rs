@@ -1166,12 +1166,13 @@ mod tests {
         for len in lens {
             for i in 0..len {
                 let at = start + i;
-                let keys = &k[start * kw..(at + 1) * kw];
+                let keys_t = cpu::transpose(&k[start * kw..(at + 1) * kw], i + 1, kw);
                 let values = &v[start * kw..(at + 1) * kw];
                 let mut one = vec![0f32; qw];
                 cpu::attend(
                     &q[at * qw..(at + 1) * qw],
-                    keys,
+                    &keys_t,
+                    i + 1,
                     values,
                     i + 1,
                     kv_heads,

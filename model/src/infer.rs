@@ -185,12 +185,18 @@ struct Layer {
     ff: Ff,
 }
 
-/// The keys and values of one sequence: per layer, `len` positions of
-/// (kv_heads, head_dim), appended in place as the sequence grows; for a mixture of
-/// experts, also the experts every position was routed to.
+/// The keys and values of one sequence, per layer, written in place as the sequence
+/// grows; for a mixture of experts, also the experts every position was routed to.
 #[derive(Debug, Clone)]
 pub struct SeqKv {
-    k: Vec<Vec<f32>>,
+    /// Per layer, the keys transposed, (kv_heads, head_dim, cap): dimension `d` of kv head
+    /// `g` at position `j` is at `(g·head_dim + d)·cap + j`, so that a query's scores run
+    /// over 32 positions at once ([`cpu::attend`]).
+    kt: Vec<Vec<f32>>,
+    /// Positions each layer's `kt` has room for (it grows, doubling, when a sequence runs
+    /// past it).
+    cap: usize,
+    /// Per layer, `len` positions of (kv_heads, head_dim) values, position-major.
     v: Vec<Vec<f32>>,
     len: usize,
     /// Per position, per layer, the `top_k` experts chosen (empty for a dense model).
@@ -213,6 +219,26 @@ impl SeqKv {
     /// Whether nothing is cached.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Room for `need` positions in every layer's transposed keys: each (kv head, dim) row
+    /// moves to a buffer of at least twice the old room. The values grow as a `Vec` does.
+    fn reserve(&mut self, need: usize) {
+        if need <= self.cap {
+            return;
+        }
+        let cap = need.max(2 * self.cap);
+        for kt in &mut self.kt {
+            let rows = kt.len() / self.cap.max(1);
+            let mut grown = vec![0f32; rows * cap];
+            if self.cap > 0 {
+                for (new, old) in grown.chunks_exact_mut(cap).zip(kt.chunks_exact(self.cap)) {
+                    new[..self.len].copy_from_slice(&old[..self.len]);
+                }
+            }
+            *kt = grown;
+        }
+        self.cap = cap;
     }
 }
 
@@ -303,9 +329,11 @@ impl CpuModel {
 
     /// An empty cache with room reserved for `capacity` positions.
     pub fn new_kv(&self, capacity: usize) -> SeqKv {
-        let per = capacity.min(self.cfg.max_positions) * self.cfg.n_kv_heads * self.cfg.head_dim;
+        let cap = capacity.min(self.cfg.max_positions).max(1);
+        let per = cap * self.cfg.n_kv_heads * self.cfg.head_dim;
         SeqKv {
-            k: (0..self.cfg.n_layers).map(|_| Vec::with_capacity(per)).collect(),
+            kt: (0..self.cfg.n_layers).map(|_| vec![0f32; per]).collect(),
+            cap,
             v: (0..self.cfg.n_layers).map(|_| Vec::with_capacity(per)).collect(),
             len: 0,
             routes: Vec::new(),
@@ -317,6 +345,9 @@ impl CpuModel {
     /// the logits of its last token. Returns (entries, vocab) logits, row-major.
     pub fn forward(&self, seqs: &mut [(&mut SeqKv, &[u32])]) -> Result<Vec<f32>> {
         self.check_batch(seqs)?;
+        for (kv, toks) in seqs.iter_mut() {
+            kv.reserve(kv.len + toks.len());
+        }
         let c = &self.cfg;
         let (d, hd, nh, nkv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
         let n: usize = seqs.iter().map(|(_, t)| t.len()).sum();
@@ -408,7 +439,10 @@ impl CpuModel {
                         self.rope(head, pos);
                     }
                 }
-                kv.k[li].extend_from_slice(k);
+                let (kt, cap) = (&mut kv.kt[li], kv.cap);
+                for (r, &x) in k.iter().enumerate() {
+                    kt[r * cap + pos] = x;
+                }
                 kv.v[li].extend_from_slice(v);
                 row += 1;
             }
@@ -424,12 +458,13 @@ impl CpuModel {
         let scale = (1.0 / (hd as f64).sqrt()) as f32;
         let mut row = 0;
         for (kv, toks) in seqs.iter() {
-            let (ks, vs) = (&kv.k[li], &kv.v[li]);
+            let (kt, vs) = (&kv.kt[li], &kv.v[li]);
             for i in 0..toks.len() {
                 let pos = kv.len + i;
                 cpu::attend(
                     &qkv[row * qkv_w..row * qkv_w + nh * hd],
-                    ks,
+                    kt,
+                    kv.cap,
                     vs,
                     pos + 1,
                     nkv,

@@ -647,7 +647,8 @@ fn optimizer_resume_is_bit_identical() {
 /// The CPU inference kernels give the candle forward's logits for every family (interleaved
 /// rope, tied and untied heads, qkv bias, q/k norms, MoE with softmax + shared expert and
 /// with a sigmoid router), on a mixed batch: one sequence continuing from its cache, one
-/// whole new prompt.
+/// whole new prompt. The continuing sequence's cache starts with room for 2 positions and
+/// grows twice (the second time keeping the 6 positions it holds).
 #[test]
 fn cpu_kernels_match_the_candle_forward_for_every_family() {
     use streamrl_model::infer::CpuModel;
@@ -656,7 +657,7 @@ fn cpu_kernels_match_the_candle_forward_for_every_family() {
         let cpu = CpuModel::new(&m).unwrap();
         let a: Vec<u32> = (0..9).map(|i| (i * 7 + 3) % V as u32).collect();
         let b: Vec<u32> = (0..5).map(|i| (i * 11 + 1) % V as u32).collect();
-        let (mut ka, mut kb) = (cpu.new_kv(16), cpu.new_kv(16));
+        let (mut ka, mut kb) = (cpu.new_kv(2), cpu.new_kv(16));
         let first = cpu.forward(&mut [(&mut ka, &a[..6])]).unwrap();
         let both = cpu.forward(&mut [(&mut ka, &a[6..]), (&mut kb, &b[..])]).unwrap();
         let logits_at = |seq: &[u32], at: usize| -> Vec<f32> {
