@@ -35,7 +35,7 @@ pub fn vectorized<R>(f: impl FnOnce() -> R) -> R {
 #[allow(unsafe_code)]
 pub fn with_fma<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if avx2_fma() {
         #[target_feature(enable = "avx2,fma")]
         fn run<R>(f: impl FnOnce() -> R) -> R {
             f()
@@ -44,6 +44,16 @@ pub fn with_fma<R>(f: impl FnOnce() -> R) -> R {
         return unsafe { run(f) };
     }
     f()
+}
+
+/// Whether this CPU has AVX2 and fused multiply-add ([`with_fma`]'s instructions, and
+/// [`weighted_sum`]'s).
+#[inline(always)]
+pub fn avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// `e^x` without a branch or a library call, so that loops over it vectorise: Cody–Waite
@@ -753,8 +763,8 @@ pub fn scores_transposed(q: &[f32], kt: &[f32], ld: usize, scale: f32, s: &mut [
 ///
 /// On x86-64 with AVX2 and FMA, and a width that is a multiple of 8, written with the
 /// instructions themselves: the compiler kept the loop below, under its zero test, in
-/// scalar registers spilled to the stack (it was a quarter of a SmolLM2-sized decode
-/// step at batch 32). Both round once per term in the same order: the same bits.
+/// scalar registers spilled to the stack (the larger part of attention in a
+/// SmolLM2-sized decode step at batch 32). Both round once per term in the same order: the same bits.
 #[inline(always)]
 #[allow(unsafe_code)]
 pub fn weighted_sum(p: &[f32], v: &[f32], stride: usize, out: &mut [f32]) {
@@ -769,8 +779,7 @@ pub fn weighted_sum(p: &[f32], v: &[f32], stride: usize, out: &mut [f32]) {
         );
     }
     #[cfg(target_arch = "x86_64")]
-    if hd.is_multiple_of(8) && std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    {
+    if hd.is_multiple_of(8) && avx2_fma() {
         // SAFETY: the CPU has both features (checked just above) and every read stays
         // inside `v` (asserted above) and every write inside `out`.
         return unsafe { weighted_sum_avx2(p, v, stride, out) };
@@ -1066,10 +1075,7 @@ mod tests {
     fn weighted_sum_in_avx2_registers_is_the_portable_loops_bits() {
         // Widths of 32-column blocks, 8-column rest, both, and one only the loops take;
         // probabilities with zeros (masked positions), values read at a wider stride.
-        #[cfg(target_arch = "x86_64")]
-        let avx2 = std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
-        #[cfg(not(target_arch = "x86_64"))]
-        let avx2 = false;
+        let avx2 = avx2_fma();
         println!(
             "weighted_sum: AVX2 + FMA path {}",
             if avx2 { "runs" } else { "absent: loops only" }

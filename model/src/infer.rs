@@ -227,14 +227,12 @@ impl SeqKv {
         if need <= self.cap {
             return;
         }
+        // `cap` is at least 1 ([`CpuModel::new_kv`]).
         let cap = need.max(2 * self.cap);
         for kt in &mut self.kt {
-            let rows = kt.len() / self.cap.max(1);
-            let mut grown = vec![0f32; rows * cap];
-            if self.cap > 0 {
-                for (new, old) in grown.chunks_exact_mut(cap).zip(kt.chunks_exact(self.cap)) {
-                    new[..self.len].copy_from_slice(&old[..self.len]);
-                }
+            let mut grown = vec![0f32; kt.len() / self.cap * cap];
+            for (new, old) in grown.chunks_exact_mut(cap).zip(kt.chunks_exact(self.cap)) {
+                new[..self.len].copy_from_slice(&old[..self.len]);
             }
             *kt = grown;
         }
