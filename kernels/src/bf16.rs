@@ -5,6 +5,11 @@
 //! build and every command work without it: where it is absent, or the CPU has neither
 //! unit, [`gemm`] computes in f32 ([`cpu::gemm`]) and [`path`] says so.
 //!
+//! oneDNN serves the f32 products too ([`gemm_f32`], which `Products::F32` and the f32
+//! decode run): its f32 matmul is about 3× the `gemm` crate's on AVX-512 CPUs, and it
+//! keeps the property the sampler and trainer rely on, a row's sums the same bits
+//! whatever rows share its call (tested on every path).
+//!
 //! Where oneDNN is looked for, first found wins: the file `STREAMRL_ONEDNN` names (or
 //! `libdnnl.so.2` in the directory it names); the system's `libdnnl.so.2` (Debian's
 //! `libdnnl2`); `libdnnl.so.2` under `$STREAMRL_TOOLS_DIR/onednn` or
@@ -66,7 +71,8 @@ pub fn path() -> Path {
 /// One line saying which path bf16 products take and why, for logs and bench tables.
 pub fn describe() -> String {
     let b = backend();
-    format!("bf16 products: {} ({})", b.path, b.why)
+    let f32 = if b.f32_on_onednn { "oneDNN" } else { "the gemm crate" };
+    format!("bf16 products: {} ({}); f32 products: {f32}", b.path, b.why)
 }
 
 /// The number type of a model's matrix products on the CPU: f32 throughout, or bf16
@@ -74,7 +80,7 @@ pub fn describe() -> String {
 /// norms, softmax, logprobs, the loss) stays f32 either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Products {
-    /// [`cpu::gemm`].
+    /// [`gemm_f32`].
     #[default]
     F32,
     /// [`gemm`].
@@ -85,7 +91,7 @@ impl Products {
     /// `dst (+)= scale · a @ b` in this number type.
     pub fn gemm(self, dst: ViewMut<'_>, a: View<'_>, b: View<'_>, accumulate: bool, scale: f32) {
         match self {
-            Products::F32 => cpu::gemm(dst, a, b, accumulate, scale),
+            Products::F32 => gemm_f32(dst, a, b, accumulate, scale, 1),
             Products::Bf16 => gemm(dst, a, b, accumulate, scale),
         }
     }
@@ -93,7 +99,11 @@ impl Products {
     /// [`Products::gemm`] into a new `(a.rows, b.cols)` matrix.
     pub fn gemm_new(self, a: View<'_>, b: View<'_>, scale: f32) -> Vec<f32> {
         match self {
-            Products::F32 => cpu::gemm_new(a, b, scale),
+            Products::F32 => {
+                let mut y = vec![0f32; a.rows * b.cols];
+                gemm_f32(ViewMut::rows(&mut y, a.rows, b.cols), a, b, false, scale, 1);
+                y
+            }
             Products::Bf16 => gemm_new(a, b, scale),
         }
     }
@@ -154,6 +164,75 @@ pub fn gemm(dst: ViewMut<'_>, a: View<'_>, b: View<'_>, accumulate: bool, scale:
     product(dst, a, Rhs::View(b), accumulate, scale, 1)
 }
 
+/// `dst (+)= scale · a @ b` in f32, on `threads` threads (or the cores
+/// [`crate::cores::spread`] gives, when more): oneDNN's f32 matmul where oneDNN is loaded
+/// for a right-hand matrix of at least 65 536 elements (it reads the views in place, at
+/// about 3× the `gemm` crate's speed on AVX-512 CPUs), else [`cpu::matmul`] for a dense
+/// `b` and [`cpu::gemm`] for any other. Both sum each
+/// output in the same order whatever the number of rows, so a row's result is the same
+/// bits alone or among others (what makes a sampler's f32 logprobs the trainer's); the
+/// tests check it on whichever path runs.
+///
+/// # Panics
+/// As [`gemm`].
+pub fn gemm_f32(dst: ViewMut<'_>, a: View<'_>, b: View<'_>, accumulate: bool, scale: f32, threads: usize) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert!(
+        b.rows == k && dst.rows == m && dst.cols == n,
+        "f32 gemm: ({m}×{k}) @ ({}×{n}) into ({}×{})",
+        b.rows,
+        dst.rows,
+        dst.cols
+    );
+    // The choice hangs on the right-hand matrix's size alone, never on the rows: a row
+    // must take the same path whoever shares its call. Small products (attention's per
+    // head) stay on the `gemm` crate, where a primitive per shape would not pay.
+    let lib = match backend().f32_lib() {
+        Some(lib) if m > 0 && n > 0 && k > 0 && dst.cs == 1 && k * n >= 1 << 16 => lib,
+        _ if b.cs == 1 && b.rs == n && dst.cs == 1 && dst.rs == n && a.cs == 1 && a.rs == k && scale == 1.0 => {
+            return cpu::matmul(a.data, m, b.data, k, n, dst.data, accumulate, threads);
+        }
+        _ => return cpu::gemm(dst, a, b, accumulate, scale),
+    };
+    let end = [
+        (m - 1) * dst.rs + n,
+        (m - 1) * a.rs + (k - 1) * a.cs + 1,
+        (k - 1) * b.rs + (n - 1) * b.cs + 1,
+    ];
+    assert!(
+        dst.data.len() >= end[0] && a.data.len() >= end[1] && b.data.len() >= end[2],
+        "f32 gemm: views reach elements {end:?} of {}, {} and {}",
+        dst.data.len(),
+        a.data.len(),
+        b.data.len()
+    );
+    let key = Key {
+        m,
+        k,
+        n,
+        dtype: DNNL_F32,
+        a: [a.rs, a.cs],
+        b: [b.rs, b.cs],
+        dst_rs: dst.rs,
+        packed: 0,
+        accumulate,
+        scale: scale.to_bits(),
+        threads: product_threads(m, n, k, threads),
+    };
+    SCRATCH.with(|s| {
+        let prims = &mut s.borrow_mut().prims;
+        run_cached(
+            lib,
+            prims,
+            key,
+            None,
+            a.data.as_ptr().cast(),
+            b.data.as_ptr().cast(),
+            dst.data.as_mut_ptr(),
+        );
+    });
+}
+
 /// [`gemm`] into a new `(a.rows, b.cols)` matrix.
 pub fn gemm_new(a: View<'_>, b: View<'_>, scale: f32) -> Vec<f32> {
     let mut y = vec![0f32; a.rows * b.cols];
@@ -181,7 +260,7 @@ impl Matrix {
     /// `v` converted and packed (or, on the fallback path, copied dense by rows).
     pub fn new(v: View<'_>) -> Matrix {
         let (rows, cols) = (v.rows, v.cols);
-        let Some(lib) = &backend().lib else {
+        let Some(lib) = backend().bf16_lib() else {
             let mut f = Vec::with_capacity(rows * cols);
             for r in 0..rows {
                 f.extend((0..cols).map(|c| v.data[r * v.rs + c * v.cs]));
@@ -273,7 +352,7 @@ enum Rhs<'a> {
 
 /// The product on the process's path; `threads` at least (more inside `cores::spread`).
 fn product(dst: ViewMut<'_>, a: View<'_>, b: Rhs<'_>, accumulate: bool, scale: f32, threads: usize) {
-    let lib = match (&backend().lib, b) {
+    let lib = match (backend().bf16_lib(), b) {
         (Some(lib), _) => lib,
         (None, Rhs::View(b)) => return cpu::gemm(dst, a, b, accumulate, scale),
         (None, Rhs::Prepared(p)) => {
@@ -327,34 +406,62 @@ fn product(dst: ViewMut<'_>, a: View<'_>, b: Rhs<'_>, accumulate: bool, scale: f
             m,
             k,
             n,
-            a: la,
-            b: lb,
+            dtype: DNNL_BF16,
+            a: strides(la, m, k),
+            b: strides(lb, k, n),
             dst_rs: dst.rs,
             packed: packed.map_or(0, |pk| pk.md as usize),
             accumulate,
             scale: scale.to_bits(),
-            // A product below a million multiply-adds runs on the calling thread: waking
-            // a sleeping worker costs more than it saves.
-            threads: if m * n * k < 1 << 20 {
-                1
-            } else {
-                threads.max(crate::cores::threads())
-            },
+            threads: product_threads(m, n, k, threads),
         };
-        lib.set_threads(key.threads);
-        if !prims.contains_key(&key) {
-            if prims.len() >= 256 {
-                prims.clear();
-            }
-            let p = lib
-                .product(&key, packed.map(|pk| pk.md))
-                .unwrap_or_else(|e| panic!("bf16 gemm ({m}×{k}) @ ({k}×{n}): {e}"));
-            prims.insert(key, p);
-        }
-        let p = &prims[&key];
-        lib.run(p, abuf.as_ptr(), bptr, dst.data.as_mut_ptr())
-            .unwrap_or_else(|e| panic!("bf16 gemm ({m}×{k}) @ ({k}×{n}): {e}"));
+        run_cached(
+            lib,
+            prims,
+            key,
+            packed.map(|pk| pk.md),
+            abuf.as_ptr(),
+            bptr,
+            dst.data.as_mut_ptr(),
+        );
     });
+}
+
+/// The threads a `(m×k) @ (k×n)` product runs on: the calling thread alone below a
+/// million multiply-adds (waking a sleeping worker costs more than it saves), else
+/// `threads` or the cores [`crate::cores::spread`] gives, when more.
+fn product_threads(m: usize, n: usize, k: usize, threads: usize) -> usize {
+    if m * n * k < 1 << 20 {
+        1
+    } else {
+        threads.max(crate::cores::threads())
+    }
+}
+
+/// Runs `key`'s product on these buffers with the calling thread's cached primitive for
+/// it (made on first use; the cache is emptied when it holds 256).
+fn run_cached(
+    lib: &Lib,
+    prims: &mut HashMap<Key, Product>,
+    key: Key,
+    packed: Option<*const c_void>,
+    a: *const u16,
+    b: *const u16,
+    dst: *mut f32,
+) {
+    let Key { m, k, n, .. } = key;
+    lib.set_threads(key.threads);
+    if !prims.contains_key(&key) {
+        if prims.len() >= 256 {
+            prims.clear();
+        }
+        let p = lib
+            .product(&key, packed)
+            .unwrap_or_else(|e| panic!("oneDNN gemm ({m}×{k}) @ ({k}×{n}): {e}"));
+        prims.insert(key, p);
+    }
+    lib.run(&prims[&key], a, b, dst)
+        .unwrap_or_else(|e| panic!("oneDNN gemm ({m}×{k}) @ ({k}×{n}): {e}"));
 }
 
 /// How a matrix lies in its converted buffer: row-major, or column-major (a transposed
@@ -422,8 +529,11 @@ struct Key {
     m: usize,
     k: usize,
     n: usize,
-    a: Order,
-    b: Order,
+    /// The inputs' number type (`DNNL_BF16`, or `DNNL_F32` for [`gemm_f32`]).
+    dtype: c_int,
+    /// The inputs' strides, in elements.
+    a: [usize; 2],
+    b: [usize; 2],
     dst_rs: usize,
     /// The packed layout's descriptor (its address), 0 for a plain one.
     packed: usize,
@@ -445,11 +555,28 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-/// The process's choice: a loaded oneDNN and the path it takes, or the fallback and why.
+/// The process's choice: a loaded oneDNN and the path bf16 products take, or the fallback
+/// and why; and whether f32 products run on oneDNN too.
 struct Backend {
     path: Path,
     why: String,
+    /// oneDNN, where it loaded (for f32 products even on a CPU without bf16 units).
     lib: Option<Lib>,
+    /// Whether oneDNN offers a real (not reference) f32 matmul here; `false` leaves f32
+    /// products to the `gemm` crate.
+    f32_on_onednn: bool,
+}
+
+impl Backend {
+    /// oneDNN, where bf16 products run on it.
+    fn bf16_lib(&self) -> Option<&Lib> {
+        self.lib.as_ref().filter(|_| self.path != Path::F32)
+    }
+
+    /// oneDNN, where f32 products run on it.
+    fn f32_lib(&self) -> Option<&Lib> {
+        self.lib.as_ref().filter(|_| self.f32_on_onednn)
+    }
 }
 
 fn backend() -> &'static Backend {
@@ -463,6 +590,7 @@ fn choose() -> Backend {
         path: Path::F32,
         why,
         lib: None,
+        f32_on_onednn: false,
     };
     let forced = std::env::var("STREAMRL_BF16").unwrap_or_default();
     match forced.as_str() {
@@ -487,20 +615,38 @@ fn choose() -> Backend {
     }
     // SAFETY: a plain getter of oneDNN's.
     let isa = unsafe { (lib.effective_cpu_isa)() };
-    let path = if isa & ISA_AMX == ISA_AMX {
-        Path::Amx
+    let found = format!("oneDNN {} from {}", lib.version, file.display());
+    let (path, why) = if isa & ISA_AMX == ISA_AMX {
+        (Path::Amx, found)
     } else if isa & ISA_AVX512_BF16 == ISA_AVX512_BF16 {
-        Path::Avx512Bf16
+        (Path::Avx512Bf16, found)
     } else {
-        return fallback(format!(
-            "this CPU has neither AMX nor AVX-512 BF16 (oneDNN ISA {isa:#x}; its bf16 kernels would emulate)"
-        ));
+        (
+            Path::F32,
+            format!(
+                "this CPU has neither AMX nor AVX-512 BF16 (oneDNN ISA {isa:#x}; its bf16 kernels would emulate); {found}"
+            ),
+        )
     };
-    let why = format!("oneDNN {} from {}", lib.version, file.display());
+    // f32 products on oneDNN where it has a real kernel for them (any x86-64 with AVX2).
+    // A descriptor only: a `Product` would look the backend up again when dropped.
+    let f32_on_onednn = (|| -> Result<(), String> {
+        let mds = [
+            lib.md(16, 16, DNNL_F32, [16, 1])?,
+            lib.md(16, 16, DNNL_F32, [16, 1])?,
+            lib.md(16, 16, DNNL_F32, [16, 1])?,
+        ];
+        let pd = lib.matmul_pd(mds.each_ref().map(|d| d.0.as_ptr().cast()), std::ptr::null_mut())?;
+        // SAFETY: created just above, used no more.
+        unsafe { (lib.destroy[PD])(pd) };
+        Ok(())
+    })()
+    .is_ok();
     Backend {
         path,
         why,
         lib: Some(lib),
+        f32_on_onednn,
     }
 }
 
@@ -777,8 +923,8 @@ impl Lib {
     /// (else plain), refused unless oneDNN picked a real kernel.
     fn product(&self, key: &Key, packed: Option<*const c_void>) -> Result<Product, String> {
         let Key { m, k, n, .. } = *key;
-        let mut a = self.md(m, k, DNNL_BF16, strides(key.a, m, k))?;
-        let mut plain = self.md(k, n, DNNL_BF16, strides(key.b, k, n))?;
+        let mut a = self.md(m, k, key.dtype, key.a)?;
+        let mut plain = self.md(k, n, key.dtype, key.b)?;
         let b = packed.unwrap_or(plain.ptr());
         let mut c = self.md(m, n, DNNL_F32, [key.dst_rs, 1])?;
         let mut attr = std::ptr::null_mut();

@@ -357,3 +357,79 @@ fn spaced_views_give_the_products_of_compact_copies() {
     );
     assert_eq!(got, want, "{}", bf16::describe());
 }
+
+/// f32 products ([`bf16::gemm_f32`], what `Products::F32` and the f32 decode run) sum each
+/// output in one order whatever shares the call: a row decoded alone or among a few
+/// (weights transposed once into dense rows) gives the bits the training forward gives it
+/// among many (reading the checkpoint's weight transposed), on one thread or two; so the
+/// sampler's f32 logprobs are the trainer's. On oneDNN's f32 matmul where it is loaded,
+/// on the `gemm` crate below its size threshold or without it; and they are the f32
+/// product (against [`cpu::gemm`]).
+#[test]
+fn f32_products_are_the_same_bits_at_any_row_count_and_thread_count() {
+    fetch_onednn();
+    let described = bf16::describe();
+    say(&format!("f32 products test: {described}"));
+    if expected_path() != Path::F32 {
+        // oneDNN is there (fetched above): f32 products must run on it.
+        assert!(described.ends_with("f32 products: oneDNN"), "{described}");
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    // SmolLM2's projections (576 wide, 192 for its key/value heads, 1536 for the MLP), an
+    // odd width, and one below the oneDNN threshold (the gemm crate).
+    for (k, n) in [(576, 1536), (1536, 576), (576, 192), (200, 333), (64, 96)] {
+        let rows = 300;
+        let x = values(rows * k, (k * n) as u64);
+        let w = values(n * k, 7);
+        // The weight as a checkpoint holds it, (n, k), read transposed by training, and
+        // transposed once into (k, n) rows by decode.
+        let wt: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();
+        let (train, decode) = (View::rows(&w, n, k).t(), View::rows(&wt, k, n));
+        let product = |b: View<'_>, from: usize, m: usize, acc: Option<&[f32]>, threads: usize| {
+            let mut y = acc.map_or_else(|| vec![0f32; m * n], <[f32]>::to_vec);
+            let run = || {
+                let a = View::rows(&x[from * k..(from + m) * k], m, k);
+                bf16::gemm_f32(ViewMut::rows(&mut y, m, n), a, b, acc.is_some(), 1.0, threads);
+            };
+            streamrl_kernels::cores::spread(threads, run);
+            y
+        };
+        let all = product(train, 0, rows, None, 1);
+        let mut want = vec![0f32; rows * n];
+        cpu::gemm(
+            ViewMut::rows(&mut want, rows, n),
+            View::rows(&x, rows, k),
+            train,
+            false,
+            1.0,
+        );
+        let err = worst(&all, &want, k);
+        assert!(err < 1e-6, "({k}×{n}) against the gemm crate: {err:e}");
+        assert_eq!(
+            bits(&product(train, 0, rows, None, 2)),
+            bits(&all),
+            "({k}×{n}) on 2 threads"
+        );
+        for (from, m) in [(9, 1), (40, 2), (100, 7), (250, 33)] {
+            let want = &all[from * n..(from + m) * n];
+            for threads in [1, 2] {
+                let got = product(decode, from, m, None, threads);
+                assert_eq!(
+                    bits(&got),
+                    bits(want),
+                    "{m} rows from {from} ({k}×{n}), {threads} threads"
+                );
+            }
+            // Accumulating adds the same sums onto what is there.
+            let base = values(m * n, 3);
+            let mut full = vec![0f32; rows * n];
+            full[from * n..(from + m) * n].copy_from_slice(&base);
+            let summed = product(train, 0, rows, Some(&full), 1);
+            assert_eq!(
+                bits(&product(decode, from, m, Some(&base), 1)),
+                bits(&summed[from * n..(from + m) * n]),
+                "accumulating {m} rows from {from} ({k}×{n})"
+            );
+        }
+    }
+}

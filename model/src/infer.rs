@@ -51,7 +51,8 @@ struct Mat {
 /// A weight as the products read it.
 #[derive(Debug, Clone)]
 enum Weights {
-    /// Transposed, `(in, out)` row-major: the layout [`cpu::matmul`] reads fastest.
+    /// Transposed, `(in, out)` row-major: the layout [`cpu::matmul`] reads fastest, for
+    /// [`bf16::gemm_f32`].
     F32(Vec<f32>),
     /// Converted to bf16 once, for [`bf16::gemm_prepared`].
     Bf16(Box<bf16::Matrix>),
@@ -105,7 +106,14 @@ impl Mat {
     /// `dst (n, out) (+)= x (n, in) @ w^T (+ b)`.
     fn apply(&self, x: &[f32], n: usize, dst: &mut [f32], accumulate: bool, threads: usize) {
         match &self.w {
-            Weights::F32(wt) => cpu::matmul(x, n, wt, self.inp, self.out, dst, accumulate, threads),
+            Weights::F32(wt) => bf16::gemm_f32(
+                cpu::ViewMut::rows(&mut dst[..n * self.out], n, self.out),
+                cpu::View::rows(&x[..n * self.inp], n, self.inp),
+                cpu::View::rows(wt, self.inp, self.out),
+                accumulate,
+                1.0,
+                threads,
+            ),
             Weights::Bf16(w) => {
                 let dst = cpu::ViewMut::rows(&mut dst[..n * self.out], n, self.out);
                 let x = cpu::View::rows(&x[..n * self.inp], n, self.inp);
