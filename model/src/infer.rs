@@ -33,7 +33,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use streamrl_kernels::bf16::{self, Products};
-use streamrl_kernels::cpu;
+use streamrl_kernels::{cores, cpu};
 
 use crate::config::{Config, MoeConfig, RopeLayout, RouterScore};
 use crate::model::{FeedForward, Linear, Mlp, Transformer};
@@ -367,15 +367,13 @@ impl CpuModel {
         let mut h = vec![0f32; n * d];
         let mut qkv = vec![0f32; n * qkv_w];
         let mut att = vec![0f32; n * nh * hd];
-        let max_len = seqs.iter().map(|(kv, t)| kv.len + t.len()).max().unwrap_or(0);
-        let mut scores = vec![0f32; max_len];
         // Per layer, the experts each token went to (a mixture of experts).
         let mut chosen: Vec<Vec<u8>> = Vec::new();
         for (li, layer) in self.layers.iter().enumerate() {
             cpu::rms_norm(&x, &layer.attn_norm, c.eps as f32, &mut h);
             layer.qkv.apply(&h, n, &mut qkv, false, self.threads);
             self.append_kv(li, layer, &mut qkv, seqs);
-            self.attend(li, &qkv, seqs, &mut scores, &mut att);
+            self.attend(li, &qkv, seqs, &mut att);
             layer.o.apply(&att, n, &mut x, true, self.threads);
             cpu::rms_norm(&x, &layer.ff_norm, c.eps as f32, &mut h);
             match &layer.ff {
@@ -456,19 +454,29 @@ impl CpuModel {
     }
 
     /// Attention of layer `li` into `att`: token i of a sequence sees that sequence's
-    /// positions 0..=pos.
-    fn attend(&self, li: usize, qkv: &[f32], seqs: &[(&mut SeqKv, &[u32])], scores: &mut [f32], att: &mut [f32]) {
+    /// positions 0..=pos. Sequences are independent items: inside [`cores::spread`] they
+    /// spread over the cores the products use (each computed as alone: the same bits).
+    fn attend(&self, li: usize, qkv: &[f32], seqs: &[(&mut SeqKv, &[u32])], att: &mut [f32]) {
         let c = &self.cfg;
         let (hd, nh, nkv) = (c.head_dim, c.n_heads, c.n_kv_heads);
         let qkv_w = (nh + 2 * nkv) * hd;
         let scale = (1.0 / (hd as f64).sqrt()) as f32;
-        let mut row = 0;
-        for (kv, toks) in seqs.iter() {
+        let mut items = Vec::with_capacity(seqs.len());
+        let (mut rest, mut row) = (att, 0);
+        for (kv, toks) in seqs {
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(toks.len() * nh * hd);
+            rest = tail;
+            items.push((&**kv, toks.len(), row, mine));
+            row += toks.len();
+        }
+        cores::each(items, |(kv, n, row, att)| {
             let (kt, vs) = (&kv.kt[li], &kv.v[li]);
-            for i in 0..toks.len() {
+            let mut scores = vec![0f32; kv.len + n];
+            for i in 0..n {
                 let pos = kv.len + i;
+                let r = row + i;
                 cpu::attend(
-                    &qkv[row * qkv_w..row * qkv_w + nh * hd],
+                    &qkv[r * qkv_w..r * qkv_w + nh * hd],
                     kt,
                     kv.cap,
                     vs,
@@ -476,12 +484,11 @@ impl CpuModel {
                     nkv,
                     hd,
                     scale,
-                    scores,
-                    &mut att[row * nh * hd..(row + 1) * nh * hd],
+                    &mut scores,
+                    &mut att[i * nh * hd..(i + 1) * nh * hd],
                 );
-                row += 1;
             }
-        }
+        });
     }
 
     /// The logits of every entry's last token: final norm, then the head.
