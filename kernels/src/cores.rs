@@ -114,7 +114,8 @@ where
 {
     let items = items.into_iter();
     let threads = threads();
-    if threads <= 1 {
+    // A lone item (a decode step of one sequence) gains nothing from waking the pool.
+    if threads <= 1 || items.size_hint().1.is_some_and(|n| n <= 1) {
         items.for_each(f);
         return;
     }
