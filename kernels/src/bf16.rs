@@ -98,14 +98,9 @@ impl Products {
 
     /// [`Products::gemm`] into a new `(a.rows, b.cols)` matrix.
     pub fn gemm_new(self, a: View<'_>, b: View<'_>, scale: f32) -> Vec<f32> {
-        match self {
-            Products::F32 => {
-                let mut y = vec![0f32; a.rows * b.cols];
-                gemm_f32(ViewMut::rows(&mut y, a.rows, b.cols), a, b, false, scale, 1);
-                y
-            }
-            Products::Bf16 => gemm_new(a, b, scale),
-        }
+        let mut y = vec![0f32; a.rows * b.cols];
+        self.gemm(ViewMut::rows(&mut y, a.rows, b.cols), a, b, false, scale);
+        y
     }
 }
 
@@ -174,16 +169,10 @@ pub fn gemm(dst: ViewMut<'_>, a: View<'_>, b: View<'_>, accumulate: bool, scale:
 /// tests check it on whichever path runs.
 ///
 /// # Panics
-/// As [`gemm`].
+/// When the shapes disagree or a view reaches past its slice ([`cpu::gemm`]'s check).
 pub fn gemm_f32(dst: ViewMut<'_>, a: View<'_>, b: View<'_>, accumulate: bool, scale: f32, threads: usize) {
+    cpu::check_gemm(dst.data.len(), dst.rows, dst.cols, dst.rs, dst.cs, a, b);
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    assert!(
-        b.rows == k && dst.rows == m && dst.cols == n,
-        "f32 gemm: ({m}×{k}) @ ({}×{n}) into ({}×{})",
-        b.rows,
-        dst.rows,
-        dst.cols
-    );
     // The choice hangs on the right-hand matrix's size alone, never on the rows: a row
     // must take the same path whoever shares its call. Small products (attention's per
     // head) stay on the `gemm` crate, where a primitive per shape would not pay.
@@ -194,18 +183,6 @@ pub fn gemm_f32(dst: ViewMut<'_>, a: View<'_>, b: View<'_>, accumulate: bool, sc
         }
         _ => return cpu::gemm(dst, a, b, accumulate, scale),
     };
-    let end = [
-        (m - 1) * dst.rs + n,
-        (m - 1) * a.rs + (k - 1) * a.cs + 1,
-        (k - 1) * b.rs + (n - 1) * b.cs + 1,
-    ];
-    assert!(
-        dst.data.len() >= end[0] && a.data.len() >= end[1] && b.data.len() >= end[2],
-        "f32 gemm: views reach elements {end:?} of {}, {} and {}",
-        dst.data.len(),
-        a.data.len(),
-        b.data.len()
-    );
     let key = Key {
         m,
         k,

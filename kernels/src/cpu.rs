@@ -348,7 +348,7 @@ pub fn gemm(dst: ViewMut<'_>, a: View<'_>, b: View<'_>, accumulate: bool, scale:
 
 /// Asserts that `a @ b` fits a `(rows, cols)` destination of `len` elements with these
 /// strides and that each view stays inside its slice.
-fn check_gemm(len: usize, rows: usize, cols: usize, rs: usize, cs: usize, a: View<'_>, b: View<'_>) {
+pub(crate) fn check_gemm(len: usize, rows: usize, cols: usize, rs: usize, cs: usize, a: View<'_>, b: View<'_>) {
     assert!(
         a.cols == b.rows && rows == a.rows && cols == b.cols,
         "gemm: ({}×{}) @ ({}×{}) into ({rows}×{cols})",
