@@ -448,3 +448,80 @@ async fn each_group_keeps_its_own_trace_whenever_its_rows_are_emitted() {
     sd.trigger();
     task.await.unwrap().unwrap();
 }
+
+/// Holds every input (never acknowledges it) and records which replica got which record.
+struct Hold(String, Arc<std::sync::Mutex<Vec<(String, u32, u64)>>>);
+
+#[async_trait]
+impl Stage for Hold {
+    async fn process(&mut self, input: Input, out: &mut Emitter) -> Result<(), StageError> {
+        self.1
+            .lock()
+            .unwrap()
+            .push((self.0.clone(), input.partition, input.offset));
+        out.hold();
+        Ok(())
+    }
+}
+
+/// Replicas run together join their group before any of them takes work: a replica that
+/// joined later would take partitions whose records another replica already holds, and
+/// that work would be done twice (it was: duplicate trajectories in a `streamrl run` whose
+/// second rollout replica started late). One thread, so the first replica's loop runs
+/// through every record it can before the second replica's task gets a turn.
+#[tokio::test(flavor = "current_thread")]
+async fn replicas_run_together_join_before_any_takes_work() {
+    use streamrl_runtime::running::{Replica, run_replicas};
+    let bus = bus::connect(&common::unique("memory://replicas")).await.unwrap();
+    for (t, p) in [("in", 2), ("dlq", 1)] {
+        bus.create_topic(&TopicSpec::new(t, p)).await.unwrap();
+    }
+    let producer = bus.producer("t").await.unwrap();
+    for i in 0..16 {
+        let h = Headers::data(SchemaId::Metrics, "test");
+        let rec = Record::new(codec::encode(&rows(&["x"]), Compression::Lz4).unwrap())
+            .with_key(format!("k{i}"))
+            .with_headers(h.to_wire());
+        producer.send("in", rec).await.unwrap().await.unwrap();
+    }
+    let stats = bus.topic_stats("in", &[]).await.unwrap();
+    assert!(
+        stats.iter().all(|p| p.end_offset > 0),
+        "both partitions hold records: {stats:?}"
+    );
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let replicas = (0..2)
+        .map(|i| {
+            let mut cfg = RunnerConfig::new("stage", "dlq");
+            cfg.replica = i;
+            cfg.inputs.push(TopicBinding {
+                name: "in".into(),
+                schema: SchemaId::Metrics,
+                key: None,
+            });
+            let stage = Box::new(Hold(cfg.instance(), seen.clone())) as Box<dyn Stage>;
+            Replica { cfg, stage }
+        })
+        .collect();
+    let sd = Shutdown::new();
+    let run = tokio::spawn(run_replicas(bus.clone(), replicas, sd.clone()));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while seen.lock().unwrap().len() < 16 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Time for a late joiner's redeliveries to show.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    sd.trigger();
+    run.await.unwrap().unwrap();
+    let seen = seen.lock().unwrap().clone();
+    let mut records: Vec<(u32, u64)> = seen.iter().map(|(_, p, o)| (*p, *o)).collect();
+    records.sort();
+    records.dedup();
+    assert_eq!(records.len(), 16, "every record was delivered: {seen:?}");
+    assert_eq!(seen.len(), 16, "a record went to two replicas: {seen:?}");
+    let by = |r: &str| seen.iter().filter(|(i, _, _)| i == r).count();
+    assert!(
+        by("stage-0") > 0 && by("stage-1") > 0,
+        "both replicas took work: {seen:?}"
+    );
+}

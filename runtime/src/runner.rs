@@ -236,11 +236,30 @@ impl Shutdown {
 pub async fn run_stage(
     bus: Arc<dyn Bus>,
     cfg: RunnerConfig,
-    mut stage: Box<dyn Stage>,
+    stage: Box<dyn Stage>,
     shutdown: Shutdown,
     metrics: Arc<StageMetrics>,
 ) -> Result<()> {
-    let (mut consumer, mut broadcasts) = open_inputs(&bus, &cfg).await?;
+    let inputs = Inputs::open(&bus, &cfg).await?;
+    run_stage_on(bus, cfg, stage, inputs, shutdown, metrics).await
+}
+
+/// Like [`run_stage`], on readers opened beforehand: replicas that run together open all
+/// their readers first ([`crate::running::run_replicas`]), so no member joins a group
+/// after another has taken work from it (a late join moves partitions, and work in
+/// flight on them is delivered again to the new owner and done twice).
+pub async fn run_stage_on(
+    bus: Arc<dyn Bus>,
+    cfg: RunnerConfig,
+    mut stage: Box<dyn Stage>,
+    inputs: Inputs,
+    shutdown: Shutdown,
+    metrics: Arc<StageMetrics>,
+) -> Result<()> {
+    let Inputs {
+        mut consumer,
+        mut broadcasts,
+    } = inputs;
     let mut runner = Runner::new(bus.producer(&cfg.instance()).await?, &cfg, metrics);
     // Exported metrics only: the replica's counters, and its input lag sampled while it runs.
     if crate::telemetry::metrics_enabled() {
@@ -394,28 +413,33 @@ impl Drain {
 /// A replica's readers: its group subscription to the data inputs (none without inputs),
 /// and `(reader, whether its messages go to the stage)` for the broadcast inputs, then the
 /// control topic when it is not one of them (its data is not the stage's business).
-async fn open_inputs(
-    bus: &Arc<dyn Bus>,
-    cfg: &RunnerConfig,
-) -> Result<(Option<Box<dyn Consumer>>, Vec<(Box<dyn Consumer>, bool)>)> {
-    let names: Vec<String> = cfg.inputs.iter().map(|t| t.name.clone()).collect();
-    let consumer = if names.is_empty() {
-        None
-    } else {
-        Some(bus.subscribe_as(&cfg.stage, &cfg.instance(), &names).await?)
-    };
-    let mut broadcasts: Vec<(Box<dyn Consumer>, bool)> = Vec::new();
-    for b in &cfg.broadcast {
-        broadcasts.push((bus.broadcast(&b.name).await?, true));
+pub struct Inputs {
+    consumer: Option<Box<dyn Consumer>>,
+    broadcasts: Vec<(Box<dyn Consumer>, bool)>,
+}
+
+impl Inputs {
+    /// Joins the replica's consumer group and opens its broadcast readers.
+    pub async fn open(bus: &Arc<dyn Bus>, cfg: &RunnerConfig) -> Result<Inputs> {
+        let names: Vec<String> = cfg.inputs.iter().map(|t| t.name.clone()).collect();
+        let consumer = if names.is_empty() {
+            None
+        } else {
+            Some(bus.subscribe_as(&cfg.stage, &cfg.instance(), &names).await?)
+        };
+        let mut broadcasts: Vec<(Box<dyn Consumer>, bool)> = Vec::new();
+        for b in &cfg.broadcast {
+            broadcasts.push((bus.broadcast(&b.name).await?, true));
+        }
+        if let Some(c) = cfg
+            .control
+            .as_ref()
+            .filter(|c| !cfg.broadcast.iter().any(|b| &&b.name == c))
+        {
+            broadcasts.push((bus.broadcast(c).await?, false));
+        }
+        Ok(Inputs { consumer, broadcasts })
     }
-    if let Some(c) = cfg
-        .control
-        .as_ref()
-        .filter(|c| !cfg.broadcast.iter().any(|b| &&b.name == c))
-    {
-        broadcasts.push((bus.broadcast(c).await?, false));
-    }
-    Ok((consumer, broadcasts))
 }
 
 /// Samples the replica's input lag into the `streamrl.stage.lag` gauge every

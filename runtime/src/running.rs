@@ -1,5 +1,5 @@
 //! Running replicas of a topology in one process: topics created first with the
-//! topology's partition counts, every replica's loop started together, the first failure
+//! topology's partition counts, every replica's group joined before any loop starts, the first failure
 //! stopping the others. The run ends in-band: the trainer's [`Signal::EndOfRun`] on the
 //! policy topic ends every stage (see [`crate::runner::run_stage`]); draining stages (the
 //! archive) keep consuming until their inputs go quiet, so the Parquet files hold what
@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use crate::Result;
 use crate::bus::Bus;
-use crate::runner::{RunnerConfig, Shutdown, StageMetrics, run_stage};
+use crate::runner::{Inputs, RunnerConfig, Shutdown, StageMetrics, run_stage_on};
 use crate::stage::Stage;
 use crate::topology::Topology;
 
@@ -53,14 +53,22 @@ pub async fn run_replicas(
     replicas: Vec<Replica>,
     shutdown: Shutdown,
 ) -> Result<Vec<(String, Arc<StageMetrics>)>> {
+    // Every replica joins its group before any loop runs: a replica that joined after
+    // another had started on its inputs would take partitions with work in flight on them,
+    // and that work would be done twice.
+    let mut opened = Vec::with_capacity(replicas.len());
+    for r in replicas {
+        let inputs = Inputs::open(&bus, &r.cfg).await?;
+        opened.push((r, inputs));
+    }
     let mut tasks = tokio::task::JoinSet::new();
     let mut metrics = Vec::new();
-    for r in replicas {
+    for (r, inputs) in opened {
         let m = Arc::new(StageMetrics::default());
         metrics.push((r.cfg.instance(), m.clone()));
         let (bus, sd) = (bus.clone(), shutdown.clone());
         let instance = r.cfg.instance();
-        tasks.spawn(async move { (instance, run_stage(bus, r.cfg, r.stage, sd, m).await) });
+        tasks.spawn(async move { (instance, run_stage_on(bus, r.cfg, r.stage, inputs, sd, m).await) });
     }
     let mut first_err = None;
     while let Some(joined) = tasks.join_next().await {
