@@ -56,6 +56,9 @@ enum Command {
     Query(archive::QueryArgs),
     /// Republish archived rows of a topic to a bus.
     Replay(archive::ReplayArgs),
+    /// Merge each archived topic's small Parquet files into large ones (the archive stage
+    /// does this on a schedule); queries and replays read the same rows before and after.
+    Compact(archive::CompactArgs),
     /// Supervised warm start on an environment's reference solutions.
     Sft(train::SftArgs),
     /// Greedy accuracy and pass@k of a checkpoint on an environment's held-out split.
@@ -166,6 +169,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Topics(a) => pipeline::topics(a).await,
         Command::Query(a) => archive::query(a).await,
         Command::Replay(a) => archive::replay(a).await,
+        Command::Compact(a) => archive::compact(a).await,
         Command::Sft(a) => tokio::task::block_in_place(|| train::sft(a)),
         Command::Eval(a) => tokio::task::block_in_place(|| train::eval(a)),
         Command::Serve(a) => serve::serve(a).await,

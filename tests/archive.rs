@@ -387,3 +387,244 @@ async fn a_query_reads_only_the_topics_it_names() {
     let e = sql.query("SELECT * FROM nope").await.unwrap_err().to_string();
     assert!(e.contains("nope") && e.contains("rollouts"), "{e}");
 }
+
+/// Every row of `topic` as the archive's SQL reads it, sorted.
+async fn all_rollouts(run_dir: &Path) -> Vec<RolloutRow> {
+    let sql = Sql::open(run_dir).await.unwrap();
+    let mut rows: Vec<RolloutRow> = sql
+        .select("rollouts", None)
+        .await
+        .unwrap()
+        .iter()
+        .flat_map(|b| RolloutRow::from_batch(&conform(b)).unwrap())
+        .collect();
+    rows.sort_by_key(|r| r.rollout_id[1..].parse::<u32>().unwrap());
+    rows
+}
+
+/// What a replay of `step = 2` delivers to a fresh bus, sorted.
+async fn replayed(run_dir: &Path) -> Vec<RolloutRow> {
+    let sql = Sql::open(run_dir).await.unwrap();
+    let target = bus::connect(&common::unique("memory://compact-replay")).await.unwrap();
+    target.create_topic(&bus::TopicSpec::new("rollouts", 2)).await.unwrap();
+    let mut c = target.subscribe("check", &["rollouts".to_string()]).await.unwrap();
+    let report = streamrl_archive::replay(
+        &sql,
+        "rollouts",
+        Some("step = 2"),
+        SchemaId::Rollouts,
+        Some("group_id"),
+        &target,
+        "rollouts",
+        1024,
+    )
+    .await
+    .unwrap();
+    let mut back = Vec::new();
+    while back.len() < report.rows as usize {
+        let m = tokio::time::timeout(Duration::from_secs(5), c.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        let b = codec::decode(SchemaId::Rollouts, &m.headers, &m.payload).unwrap();
+        back.extend(RolloutRow::from_batch(&b).unwrap());
+        c.ack(&m.id()).unwrap();
+    }
+    back.sort_by_key(|r| r.rollout_id[1..].parse::<u32>().unwrap());
+    back
+}
+
+/// Compaction merges a long run's small files into a few large ones: `query` and
+/// `replay` give the same rows before, during (merged file renamed in, replaced files not
+/// yet deleted: what a crash there leaves), and after; a crash before the rename leaves a
+/// temporary file no reader sees, which the next pass removes; merged files are merged
+/// again without their replaced files coming back; two writers' files are never mixed;
+/// and the offsets a durable bus's redelivery check reads survive the merge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compaction_keeps_every_row_once_and_queries_and_replays_the_same() {
+    use streamrl_archive::{ArchiveWriter, CompactConfig, compact_topic, live_files};
+    let dir = tempfile::tempdir().unwrap();
+    let topic = dir.path().join("archive/rollouts");
+    let on_disk = || {
+        parquet_files(dir.path(), "rollouts")
+            .iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "parquet"))
+            .count()
+    };
+    let cfg = ArchiveConfig::default();
+    let bus_url = "kafka://127.0.0.1:1/compaction";
+    // Two writers, a file per 2 rows: 40 small files, offsets recorded as on a durable bus.
+    let mut writers = [
+        ArchiveWriter::new(dir.path(), "archive-0", cfg.clone()).with_offsets_of(bus_url),
+        ArchiveWriter::new(dir.path(), "archive-1", cfg.clone()).with_offsets_of(bus_url),
+    ];
+    let write = |writers: &mut [ArchiveWriter; 2], range: std::ops::Range<u32>| {
+        for i in range.step_by(2) {
+            let w = &mut writers[(i / 2 % 2) as usize];
+            let b = RolloutRow::to_batch(&[rollout(i), rollout(i + 1)]).unwrap();
+            w.append_at("rollouts", SchemaId::Rollouts, b, i % 4 / 2, u64::from(i));
+            w.flush_all().unwrap();
+            // Distinct file names: the writer names files by the millisecond.
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    write(&mut writers, 0..40);
+    assert_eq!(on_disk(), 20);
+    let rows = all_rollouts(dir.path()).await;
+    assert_eq!(rows, (0..40).map(rollout).collect::<Vec<_>>());
+    let replay_before = replayed(dir.path()).await;
+    assert_eq!(replay_before, (16..24).map(rollout).collect::<Vec<_>>());
+
+    // A pass, with a query session opened before it (its table lists the small files).
+    let before_pass = Sql::open(dir.path()).await.unwrap();
+    let count = "SELECT count(*) AS n FROM rollouts";
+    let n =
+        |b: Vec<arrow::record_batch::RecordBatch>| arrow::util::pretty::pretty_format_batches(&b).unwrap().to_string();
+    let forty = n(before_pass.query(count).await.unwrap());
+    assert!(forty.contains("| 40 |"), "{forty}");
+    let backup = tempfile::tempdir().unwrap();
+    let small = parquet_files(dir.path(), "rollouts");
+    for f in &small {
+        std::fs::copy(f, backup.path().join(f.file_name().unwrap())).unwrap();
+    }
+    let keep = CompactConfig {
+        target_rows: 12,
+        min_files: 3,
+        ..CompactConfig::default()
+    };
+    let r = compact_topic(&topic, &keep).unwrap();
+    assert!(r.written >= 2 && r.merged >= 6, "{r:?}");
+    assert_eq!(r.deleted, r.merged, "the merged files' sources are deleted");
+    assert_eq!(on_disk(), 20 - r.merged + r.written);
+    assert_eq!(live_files(&topic).unwrap().len(), on_disk());
+    assert_eq!(all_rollouts(dir.path()).await, rows);
+    assert_eq!(replayed(dir.path()).await, replay_before);
+    assert_eq!(
+        n(before_pass.query(count).await.unwrap()),
+        forty,
+        "a session opened before the pass lists again"
+    );
+    // What a crash between a merged file's rename and its sources' deletion leaves: both
+    // on disk. Every row still once, and the next pass deletes the sources.
+    let deleted: Vec<_> = small.iter().filter(|p| !p.exists()).collect();
+    assert_eq!(deleted.len(), r.merged);
+    for f in &deleted {
+        std::fs::copy(backup.path().join(f.file_name().unwrap()), f).unwrap();
+    }
+    assert_eq!(on_disk(), 20 + r.written);
+    assert_eq!(
+        all_rollouts(dir.path()).await,
+        rows,
+        "merged and replaced files both on disk"
+    );
+    assert_eq!(replayed(dir.path()).await, replay_before);
+    let merged_first = r;
+    // A crash mid-merge leaves a temporary file: no reader lists it.
+    let tmp = topic.join(".compact-part-archive-0-1-000001-to-2-000002.parquet.tmp");
+    std::fs::write(&tmp, b"half a parquet file").unwrap();
+    assert_eq!(all_rollouts(dir.path()).await, rows);
+
+    // Another pass holds the directory: this one waits its turn (does nothing).
+    let lock = std::fs::File::open(topic.join(".compact.lock")).unwrap();
+    lock.lock().unwrap();
+    assert_eq!(compact_topic(&topic, &keep).unwrap(), Default::default());
+    lock.unlock().unwrap();
+
+    // More small files, then merges of merged files; the first pass's leftovers (the
+    // restored sources, the temporary file) go first.
+    write(&mut writers, 40..60);
+    let mut rows = rows;
+    rows.extend((40..60).map(rollout));
+    let wide = CompactConfig {
+        target_rows: 1000,
+        min_files: 2,
+        ..keep.clone()
+    };
+    let r = compact_topic(&topic, &wide).unwrap();
+    assert_eq!(r.written, 2, "one file per writer: {r:?}");
+    assert_eq!(r.merged, merged_first.written + 10, "{r:?}");
+    assert_eq!(r.deleted, merged_first.merged + 1 + r.merged, "{r:?}");
+    assert!(!tmp.exists(), "the stale temporary file is removed");
+    assert_eq!(on_disk(), 2, "{:#?}", parquet_files(dir.path(), "rollouts"));
+    assert_eq!(live_files(&topic).unwrap().len(), 2);
+    assert_eq!(all_rollouts(dir.path()).await, rows);
+    assert_eq!(replayed(dir.path()).await, replay_before);
+    let out = Sql::open(dir.path())
+        .await
+        .unwrap()
+        .query("SELECT count(*) AS n, count(DISTINCT rollout_id) AS d FROM rollouts")
+        .await
+        .unwrap();
+    let text = arrow::util::pretty::pretty_format_batches(&out).unwrap().to_string();
+    assert!(text.contains("| 60 | 60 |"), "{text}");
+
+    // The redelivery check of a durable bus still knows every offset written.
+    let mut fresh = ArchiveWriter::new(dir.path(), "archive-0", cfg).with_offsets_of(bus_url);
+    assert!(fresh.is_archived("rollouts", 0, 56) && fresh.is_archived("rollouts", 1, 58));
+    assert!(!fresh.is_archived("rollouts", 0, 57) && !fresh.is_archived("rollouts", 1, 59));
+}
+
+/// The archive stage compacts on its schedule while a run goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_archive_stage_compacts_on_its_schedule() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = TOPOLOGY
+        .replace("archive-test", &common::unique("archive-compact"))
+        .replace(
+            "config: { flush_rows: 7, flush_seconds: 0.2 }",
+            "config: { flush_rows: 2, flush_seconds: 0.05, compact_seconds: 0.2, compact_min_files: 3 }",
+        );
+    let mut topo = Topology::parse(&yaml, &|_, _| vec![]).unwrap();
+    topo.run_dir = dir.path().to_path_buf();
+    let bus = bus::connect(&topo.bus).await.unwrap();
+    for s in topo.topic_specs() {
+        bus.create_topic(&s).await.unwrap();
+    }
+    let cfg: ArchiveConfig = serde_yaml::from_value(topo.stages["archive"].config.clone()).unwrap();
+    assert_eq!(cfg.compact_min_files, 3);
+    let shutdown = Shutdown::new();
+    let task = tokio::spawn(run_stage(
+        bus.clone(),
+        topo.runner_config("archive", 0).unwrap(),
+        Box::new(ArchiveStage::new(cfg, dir.path(), "archive-0")),
+        shutdown.clone(),
+        Arc::new(StageMetrics::default()),
+    ));
+    let topic = dir.path().join("archive/rollouts");
+    for g in 0..20u32 {
+        let rows: Vec<RolloutRow> = (g * 2..g * 2 + 2).map(rollout).collect();
+        publish(
+            &bus,
+            "rollouts",
+            SchemaId::Rollouts,
+            RolloutRow::to_batch(&rows).unwrap(),
+            &format!("g{g}"),
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let rows = if topic.exists() {
+            all_rollouts(dir.path()).await.len()
+        } else {
+            0
+        };
+        let live = if topic.exists() {
+            streamrl_archive::live_files(&topic).unwrap().len()
+        } else {
+            0
+        };
+        if rows == 40 && live <= 4 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{rows} rows in {live} live files"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    shutdown.trigger();
+    task.await.unwrap().unwrap();
+    assert_eq!(all_rollouts(dir.path()).await, (0..40).map(rollout).collect::<Vec<_>>());
+}

@@ -23,11 +23,13 @@
 //! # }
 //! ```
 
+mod compact;
 mod error;
 mod replay;
 mod sql;
 mod writer;
 
+pub use compact::{CompactConfig, CompactReport, ROW_GROUP_ROWS, compact_topic, live_files};
 pub use error::{Error, Result};
 pub use replay::{ReplayReport, replay};
 pub use sql::{OutputFormat, Sql, format_batches};

@@ -1,9 +1,11 @@
 //! SQL over the archive: one table per topic directory.
 //!
-//! Opening lists the topic directories only; a topic becomes a table the first time a
-//! query names it, with its schema read from the footer of one file (the newest) instead
-//! of every file's, and without per-file statistics at planning. A query over one topic
-//! of a long run therefore reads one footer to plan, not the whole archive's.
+//! Opening lists the topic directories only; each query registers the topics it names
+//! over their live files (compaction's merged files stand for the files they replaced:
+//! see [`crate::compact`]), with the schema read from the footer of one file (the newest)
+//! instead of every file's, and without per-file statistics at planning. A query over one
+//! topic of a long run therefore reads one footer to plan (plus those of merged files),
+//! not the whole archive's.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -40,7 +42,7 @@ impl Sql {
             let Some(name) = path.file_name().and_then(|n| n.to_str()).map(str::to_string) else {
                 continue;
             };
-            if path.is_dir() && newest_file(&path).is_some() {
+            if path.is_dir() && has_rows(&path) {
                 tables.push(name);
             }
         }
@@ -54,29 +56,37 @@ impl Sql {
     }
 
     /// Registers the topics `sql` names that are not tables yet.
-    async fn register_named(&self, sql: &str) -> Result<()> {
+    /// (Re-)registers the topics `sql` names over their files as they are now; returns
+    /// each with the files it was registered over.
+    async fn register_named(&self, sql: &str) -> Result<Vec<(String, Vec<PathBuf>)>> {
         let state = self.ctx.state();
         let dialect = state.config().options().sql_parser.dialect;
         // A statement that does not parse is reported by the query itself.
         let Ok(statement) = state.sql_to_statement(sql, &dialect) else {
-            return Ok(());
+            return Ok(Vec::new());
         };
         let Ok(refs) = state.resolve_table_references(&statement) else {
-            return Ok(());
+            return Ok(Vec::new());
         };
+        let mut listed: Vec<(String, Vec<PathBuf>)> = Vec::new();
         for r in refs {
             let name = r.table();
-            if self.tables.iter().any(|t| t == name) && !self.ctx.table_exist(name)? {
-                self.register(name).await?;
+            if self.tables.iter().any(|t| t == name) && !listed.iter().any(|(t, _)| t == name) {
+                if self.ctx.table_exist(name)? {
+                    self.ctx.deregister_table(name)?;
+                }
+                listed.push((name.to_string(), self.register(name).await?));
             }
         }
-        Ok(())
+        Ok(listed)
     }
 
-    /// Registers topic `name` as a table with the schema of its newest file.
-    async fn register(&self, name: &str) -> Result<()> {
+    /// Registers topic `name` as a table over its live files (those no merged file
+    /// replaces: see [`crate::compact`]) with the schema of its newest file; returns them.
+    async fn register(&self, name: &str) -> Result<Vec<PathBuf>> {
         let dir = self.dir.join(name);
-        let newest = newest_file(&dir).ok_or_else(|| Error::EmptyTopic {
+        let live = crate::live_files(&dir)?;
+        let newest = newest_of(&live).ok_or_else(|| Error::EmptyTopic {
             topic: name.to_string(),
             dir: self.dir.display().to_string(),
         })?;
@@ -90,19 +100,45 @@ impl Sql {
             .file_schema
             .clone()
             .ok_or_else(|| Error::Sql(format!("no schema could be read from {}", newest.display())))?;
-        let config = ListingTableConfig::new(ListingTableUrl::parse(format!("{}/", dir.display()))?)
+        let urls = live
+            .iter()
+            .map(|p| ListingTableUrl::parse(p.display().to_string()))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let config = ListingTableConfig::new_with_multi_paths(urls)
             .with_listing_options(options)
             .with_schema(schema);
         self.ctx.register_table(
             datafusion::common::TableReference::bare(name),
             Arc::new(ListingTable::try_new(config)?),
         )?;
-        Ok(())
+        Ok(live)
     }
 
-    /// Runs a query.
+    /// Runs a query over the topics' files as they are when it starts. A compaction pass
+    /// (see [`crate::compact`]) that changes a named topic's files while the query runs
+    /// (a file gone that the query listed, or a merged file it did not list) is noticed
+    /// after the query, which then runs again: a result never counts a row twice or
+    /// misses one.
     pub async fn query(&self, sql: &str) -> Result<Vec<RecordBatch>> {
+        const TRIES: usize = 5;
+        for _ in 1..TRIES {
+            let listed = self.register_named(sql).await?;
+            let result = self.query_once(sql).await;
+            let mut unchanged = true;
+            for (t, files) in &listed {
+                unchanged &= crate::live_files(&self.dir.join(t))? == *files;
+            }
+            match result {
+                Err(Error::Sql(m)) if m.contains("No such file or directory") && !unchanged => continue,
+                _ if !unchanged => continue,
+                r => return r,
+            }
+        }
         self.register_named(sql).await?;
+        self.query_once(sql).await
+    }
+
+    async fn query_once(&self, sql: &str) -> Result<Vec<RecordBatch>> {
         let df = self.ctx.sql(sql).await.map_err(|e| {
             Error::Sql(format!(
                 "{e} (tables: {})",
@@ -132,15 +168,23 @@ impl Sql {
     }
 }
 
-/// The newest non-empty `.parquet` file of a topic directory.
-fn newest_file(dir: &Path) -> Option<PathBuf> {
-    std::fs::read_dir(dir)
-        .ok()?
-        .flatten()
-        .filter(|f| f.file_name().to_string_lossy().ends_with(".parquet"))
+/// Whether a topic directory holds a non-empty `.parquet` file.
+fn has_rows(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|d| {
+        d.flatten().any(|f| {
+            let name = f.file_name().to_string_lossy().into_owned();
+            !name.starts_with('.') && name.ends_with(".parquet") && f.metadata().is_ok_and(|m| m.len() > 0)
+        })
+    })
+}
+
+/// The most recently written non-empty file of `files`.
+fn newest_of(files: &[PathBuf]) -> Option<PathBuf> {
+    files
+        .iter()
         .filter_map(|f| {
-            let m = f.metadata().ok().filter(|m| m.len() > 0)?;
-            Some((m.modified().ok(), f.path()))
+            let m = std::fs::metadata(f).ok().filter(|m| m.len() > 0)?;
+            Some((m.modified().ok(), f.clone()))
         })
         .max()
         .map(|(_, p)| p)

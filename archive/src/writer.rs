@@ -26,6 +26,13 @@ pub struct ArchiveConfig {
     pub flush_seconds: f64,
     /// Zstandard level of the Parquet files (1–22).
     pub zstd_level: i32,
+    /// Merge each topic's small files into large ones this often, in seconds (0: never;
+    /// `streamrl archive compact` does it by hand). See [`crate::compact`].
+    pub compact_seconds: f64,
+    /// Rows a merged file aims for.
+    pub compact_target_rows: usize,
+    /// Files the newest run of small files needs before it is merged.
+    pub compact_min_files: usize,
 }
 
 impl Default for ArchiveConfig {
@@ -34,6 +41,20 @@ impl Default for ArchiveConfig {
             flush_rows: 10_000,
             flush_seconds: 5.0,
             zstd_level: 3,
+            compact_seconds: 60.0,
+            compact_target_rows: 1_000_000,
+            compact_min_files: 16,
+        }
+    }
+}
+
+impl ArchiveConfig {
+    /// How compaction merges, from these settings.
+    pub fn compaction(&self) -> crate::CompactConfig {
+        crate::CompactConfig {
+            target_rows: self.compact_target_rows,
+            min_files: self.compact_min_files,
+            zstd_level: self.zstd_level,
         }
     }
 }
@@ -48,6 +69,24 @@ impl Validate for ArchiveConfig {
             v.push(Problem::new(
                 "flush_seconds",
                 format!("must be positive, got {}", self.flush_seconds),
+            ));
+        }
+        if !self.compact_seconds.is_finite() || self.compact_seconds < 0.0 {
+            v.push(Problem::new(
+                "compact_seconds",
+                format!("must be 0 (never) or positive, got {}", self.compact_seconds),
+            ));
+        }
+        if self.compact_target_rows == 0 {
+            v.push(Problem::new("compact_target_rows", "must be at least 1"));
+        }
+        if self.compact_min_files < 2 {
+            v.push(Problem::new(
+                "compact_min_files",
+                format!(
+                    "must be at least 2 (a merge of one file does nothing), got {}",
+                    self.compact_min_files
+                ),
             ));
         }
         if !(1..=22).contains(&self.zstd_level) {
@@ -69,10 +108,12 @@ struct Buffer {
     offsets: BTreeMap<u32, u64>,
 }
 
+/// Parquet key-value metadata: the name of the rows' schema.
+pub(crate) const META_SCHEMA: &str = "streamrl.schema";
 /// Parquet key-value metadata: the bus the rows came from.
-const META_BUS: &str = "streamrl.bus";
+pub(crate) const META_BUS: &str = "streamrl.bus";
 /// Parquet key-value metadata: JSON `{partition: highest offset}` of the rows in the file.
-const META_OFFSETS: &str = "streamrl.offsets";
+pub(crate) const META_OFFSETS: &str = "streamrl.offsets";
 
 /// Buffers batches per topic and writes them as Parquet files, atomically.
 pub struct ArchiveWriter {
@@ -183,10 +224,7 @@ impl ArchiveWriter {
     /// bus URL with the highest offset per partition of the rows in the file.
     fn file_metadata(bus: Option<&str>, buf: &Buffer) -> Vec<parquet::file::metadata::KeyValue> {
         use parquet::file::metadata::KeyValue;
-        let mut kv = vec![KeyValue::new(
-            "streamrl.schema".to_string(),
-            buf.schema.name().to_string(),
-        )];
+        let mut kv = vec![KeyValue::new(META_SCHEMA.to_string(), buf.schema.name().to_string())];
         if let Some(bus) = bus {
             kv.push(KeyValue::new(META_BUS.to_string(), bus.to_string()));
             kv.push(KeyValue::new(
@@ -307,6 +345,10 @@ fn archived_offsets(dir: &Path, bus: &str) -> BTreeMap<u32, u64> {
 pub struct ArchiveStage {
     writer: ArchiveWriter,
     skipped: u64,
+    /// When compaction last ran (see [`ArchiveConfig::compact_seconds`]).
+    compacted_at: Instant,
+    /// What compaction has done so far.
+    compacted: crate::CompactReport,
 }
 
 /// Builds the stage for the context's `run_dir`; on a durable bus, files record the bus's
@@ -330,6 +372,8 @@ impl ArchiveStage {
         ArchiveStage {
             writer: ArchiveWriter::new(run_dir, instance, cfg),
             skipped: 0,
+            compacted_at: Instant::now(),
+            compacted: crate::CompactReport::default(),
         }
     }
 
@@ -344,6 +388,45 @@ impl ArchiveStage {
     /// Records skipped because a file already held them.
     pub fn skipped(&self) -> u64 {
         self.skipped
+    }
+
+    /// What compaction has done so far.
+    pub fn compacted(&self) -> crate::CompactReport {
+        self.compacted
+    }
+
+    /// One compaction pass over every topic directory, on a blocking thread (a failed
+    /// pass is logged and retried at the next: compaction never loses rows, so it never
+    /// stops the stage).
+    async fn compact(&mut self) {
+        self.compacted_at = Instant::now();
+        let (dir, cfg) = (self.writer.dir.clone(), self.writer.cfg.compaction());
+        let pass = tokio::task::spawn_blocking(move || -> Result<crate::CompactReport> {
+            let mut total = crate::CompactReport::default();
+            let Ok(topics) = std::fs::read_dir(&dir) else {
+                return Ok(total);
+            };
+            for t in topics.flatten().filter(|t| t.path().is_dir()) {
+                total += crate::compact_topic(&t.path(), &cfg)?;
+            }
+            Ok(total)
+        });
+        match pass.await {
+            Ok(Ok(r)) => {
+                if r.written > 0 || r.deleted > 0 {
+                    tracing::info!(
+                        merged = r.merged,
+                        written = r.written,
+                        deleted = r.deleted,
+                        rows = r.rows,
+                        "archive compacted"
+                    );
+                }
+                self.compacted += r;
+            }
+            Ok(Err(e)) => tracing::warn!(error = %e, "archive compaction failed; retrying at the next pass"),
+            Err(e) => tracing::warn!(error = %e, "archive compaction panicked; retrying at the next pass"),
+        }
     }
 
     fn flush(&mut self, out: &mut Emitter) -> Result<(), StageError> {
@@ -383,7 +466,14 @@ impl Stage for ArchiveStage {
     }
 
     async fn tick(&mut self, out: &mut Emitter) -> Result<(), StageError> {
-        if self.writer.due() { self.flush(out) } else { Ok(()) }
+        if self.writer.due() {
+            self.flush(out)?;
+        }
+        let every = self.writer.cfg.compact_seconds;
+        if every > 0.0 && self.compacted_at.elapsed().as_secs_f64() >= every {
+            self.compact().await;
+        }
+        Ok(())
     }
 
     async fn close(&mut self, out: &mut Emitter) -> Result<(), StageError> {

@@ -1,11 +1,11 @@
-//! The archive verbs: `query` (SQL over the Parquet archive) and `replay` (archived rows
-//! back onto a bus).
+//! The archive verbs: `query` (SQL over the Parquet archive), `replay` (archived rows
+//! back onto a bus) and `compact` (small files merged into large ones).
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use streamrl_archive::{OutputFormat, Sql, format_batches};
+use streamrl_archive::{CompactConfig, OutputFormat, Sql, compact_topic, format_batches, live_files};
 use streamrl_runtime::bus;
 
 use super::load;
@@ -53,6 +53,69 @@ pub struct ReplayArgs {
     /// Topology file (topic schemas and keys).
     #[arg(short, long, default_value = "topology.yaml")]
     topology: PathBuf,
+}
+
+/// `streamrl compact`.
+#[derive(Args)]
+pub struct CompactArgs {
+    /// Run directory holding `archive/` (default: the topology's run_dir).
+    #[arg(long)]
+    run_dir: Option<PathBuf>,
+    /// Topology file (for the default run_dir).
+    #[arg(short, long, default_value = "topology.yaml")]
+    topology: PathBuf,
+    /// Rows a merged file aims for.
+    #[arg(long, default_value_t = CompactConfig::default().target_rows)]
+    target_rows: usize,
+    /// Files the newest run of small files needs before it is merged.
+    #[arg(long, default_value_t = CompactConfig::default().min_files)]
+    min_files: usize,
+}
+
+/// Merges each topic's small files into large ones and prints what changed per topic.
+pub async fn compact(a: CompactArgs) -> Result<()> {
+    let run_dir = match a.run_dir {
+        Some(d) => d,
+        None => load(&a.topology)?.run_dir,
+    };
+    if a.min_files < 2 || a.target_rows == 0 {
+        bail!(
+            "--min-files must be at least 2 (got {}) and --target-rows at least 1 (got {})",
+            a.min_files,
+            a.target_rows
+        );
+    }
+    let cfg = CompactConfig {
+        target_rows: a.target_rows,
+        min_files: a.min_files,
+        ..CompactConfig::default()
+    };
+    let dir = run_dir.join("archive");
+    let mut topics: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .with_context(|| format!("no archive under {}", dir.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    topics.sort();
+    println!(
+        "{:<16} {:>12} {:>12} {:>8} {:>8} {:>8} {:>10}",
+        "topic", "files before", "files after", "merged", "written", "deleted", "rows"
+    );
+    for t in topics {
+        let before = live_files(&t)?.len();
+        let r = tokio::task::block_in_place(|| compact_topic(&t, &cfg))?;
+        let after = live_files(&t)?.len();
+        let name = t
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        println!(
+            "{name:<16} {before:>12} {after:>12} {:>8} {:>8} {:>8} {:>10}",
+            r.merged, r.written, r.deleted, r.rows
+        );
+    }
+    Ok(())
 }
 
 /// Runs the SQL over the archive (one table per topic) and prints or writes the result.
