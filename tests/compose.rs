@@ -384,8 +384,10 @@ fn owned(log: &str) -> (String, usize) {
 #[test]
 fn compose_up_runs_the_pipeline_scales_out_while_running_and_goes_down() {
     if let Err(why) = docker_ready() {
-        eprintln!(
-            "\n!!! SKIPPED compose_up_runs_the_pipeline_scales_out_while_running_and_goes_down: no Docker here ({why}) !!!\n"
+        common::skip::skipped(
+            "compose_up_runs_the_pipeline_scales_out_while_running_and_goes_down",
+            "docker-compose up, scale and down",
+            &format!("no Docker here: {why}"),
         );
         return;
     }

@@ -71,7 +71,13 @@ pub fn path() -> Path {
 /// One line saying which path bf16 products take and why, for logs and bench tables.
 pub fn describe() -> String {
     let b = backend();
-    let f32 = if b.f32_on_onednn { "oneDNN" } else { "the gemm crate" };
+    let f32 = if b.f32_on_onednn {
+        "oneDNN"
+    } else if b.lib.is_some() {
+        "the gemm crate (oneDNN's f32 kernels below AVX-512 give a row other bits alone than among others)"
+    } else {
+        "the gemm crate"
+    };
     format!("bf16 products: {} ({}); f32 products: {f32}", b.path, b.why)
 }
 
@@ -605,20 +611,24 @@ fn choose() -> Backend {
             ),
         )
     };
-    // f32 products on oneDNN where it has a real kernel for them (any x86-64 with AVX2).
-    // A descriptor only: a `Product` would look the backend up again when dropped.
-    let f32_on_onednn = (|| -> Result<(), String> {
-        let mds = [
-            lib.md(16, 16, DNNL_F32, [16, 1])?,
-            lib.md(16, 16, DNNL_F32, [16, 1])?,
-            lib.md(16, 16, DNNL_F32, [16, 1])?,
-        ];
-        let pd = lib.matmul_pd(mds.each_ref().map(|d| d.0.as_ptr().cast()), std::ptr::null_mut())?;
-        // SAFETY: created just above, used no more.
-        unsafe { (lib.destroy[PD])(pd) };
-        Ok(())
-    })()
-    .is_ok();
+    // f32 products on oneDNN where its kernels are AVX-512 ones: those give a row the same
+    // bits whatever rows share its call (checked by the tests); its AVX2 kernels do not
+    // (measured: a lone row differs from the same row among 9 at SmolLM2's 576×1536), and
+    // a sampler's f32 logprobs must be the trainer's. A descriptor only: a `Product` would
+    // look the backend up again when dropped.
+    let f32_on_onednn = isa & ISA_AVX512_CORE == ISA_AVX512_CORE
+        && (|| -> Result<(), String> {
+            let mds = [
+                lib.md(16, 16, DNNL_F32, [16, 1])?,
+                lib.md(16, 16, DNNL_F32, [16, 1])?,
+                lib.md(16, 16, DNNL_F32, [16, 1])?,
+            ];
+            let pd = lib.matmul_pd(mds.each_ref().map(|d| d.0.as_ptr().cast()), std::ptr::null_mut())?;
+            // SAFETY: created just above, used no more.
+            unsafe { (lib.destroy[PD])(pd) };
+            Ok(())
+        })()
+        .is_ok();
     Backend {
         path,
         why,
@@ -651,6 +661,7 @@ fn candidates() -> Vec<PathBuf> {
 const SONAME: &str = "libdnnl.so.2";
 /// Where Debian's packages put their libraries, under the directory they are unpacked in.
 const LIBDIR: &str = "usr/lib/x86_64-linux-gnu";
+const ISA_AVX512_CORE: c_int = 0x27;
 const ISA_AVX512_BF16: c_int = 0xe7;
 const ISA_AMX: c_int = 0x3e7;
 const DNNL_CPU: c_int = 1;

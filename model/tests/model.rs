@@ -3,6 +3,8 @@
 //! round-trip exactly (single file and sharded), and optimizer resume is bit-identical.
 
 mod onednn;
+#[path = "../../tests/common/skip.rs"]
+mod skip;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
@@ -812,6 +814,7 @@ fn bf16_products_stay_within_bf16_rounding_of_f32_for_every_family() {
     use streamrl_kernels::bf16::{self, Path, Products};
     use streamrl_model::infer::CpuModel;
     onednn::fetch();
+    let mut said = false;
     for (name, hf) in all_configs() {
         let f = init(&hf);
         let mut b = f.model.clone();
@@ -831,6 +834,13 @@ fn bf16_products_stay_within_bf16_rounding_of_f32_for_every_family() {
             assert!(
                 diff > 0.0,
                 "{name}: bf16 logits are the f32 logits: the products did not run in bf16"
+            );
+        } else if !said {
+            said = true;
+            skip::skipped(
+                "bf16_products_stay_within_bf16_rounding_of_f32_for_every_family",
+                "bf16 products on bf16 units (the f32 fallback ran; the tolerances were checked on it)",
+                &bf16::describe(),
             );
         }
         let gf = rl_loss(&f.model).backward().unwrap();

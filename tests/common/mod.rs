@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod otlp;
+pub mod skip;
 pub mod smollm2;
 
 use std::net::TcpListener;
