@@ -11,9 +11,9 @@ use std::io::Write;
 pub fn skipped(test: &str, what: &str, why: &str) {
     let line = format!("SKIPPED {test}: {what} ({why})");
     let _ = writeln!(std::io::stderr().lock(), "\n!!! {line} !!!\n");
-    if let Some(path) = std::env::var_os("STREAMRL_SKIPPED") {
-        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
-            let _ = writeln!(f, "{line}");
-        }
+    if let Some(path) = std::env::var_os("STREAMRL_SKIPPED")
+        && let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path)
+    {
+        let _ = writeln!(f, "{line}");
     }
 }
