@@ -604,3 +604,179 @@ fn rl_loop_as_processes_rides_out_a_broker_restart() {
         r.up_log
     );
 }
+
+/// `up: <instance> exited with status` lines for every replica `up` started (so that
+/// [`failed_replica_logs`] shows each one's log).
+fn replica_names(up_log: &str) -> String {
+    let mut names = BTreeSet::new();
+    for kind in KINDS {
+        for r in 0..2 {
+            names.insert(format!("up: {kind}-{r} exited with status ?\n"));
+        }
+    }
+    let _ = up_log;
+    names.into_iter().collect()
+}
+
+/// A `streamrl up` started in `dir` (its output piped).
+fn spawn_up(dir: &Path) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_streamrl"))
+        .arg("up")
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for `up` to exit (at most `within`); its status and its output.
+fn wait_up(mut up: std::process::Child, within: Duration) -> (std::process::ExitStatus, String) {
+    let deadline = Instant::now() + within;
+    while up.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = up.kill();
+            let out = up.wait_with_output().unwrap();
+            panic!(
+                "`streamrl up` did not exit within {within:?}:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = up.wait_with_output().unwrap();
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status, log)
+}
+
+/// `streamrl down` mid-run: every replica finishes its message in hand, commits and exits
+/// 0 (each says so in its log), `up` exits 0 and removes `up.json`, and `down` returns
+/// once the supervisor is gone (also when the supervisor's parent, as here, has not yet
+/// reaped it: an exited process stays in `/proc` as a zombie until then).
+#[test]
+fn down_stops_every_replica_cleanly() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let broker = common::Broker::start();
+    let shape = Shape {
+        max_steps: 12,
+        groups_per_step: 2,
+        group_size: 4,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("topology.yaml"), topology(&broker.url, shape)).unwrap();
+    let t0 = Instant::now();
+    let mut up = spawn_up(dir.path());
+    let published = || {
+        std::fs::read_to_string(dir.path().join("run/checkpoints/published"))
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while published().is_none_or(|v| v < 3) {
+        assert!(
+            up.try_wait().unwrap().is_none(),
+            "`up` ended before version 3: {:?}",
+            up.wait_with_output()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "version 3 was not published within 10 minutes"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let at = published().unwrap();
+    let down = Command::new(env!("CARGO_BIN_EXE_streamrl"))
+        .arg("down")
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let down_log = String::from_utf8_lossy(&down.stderr).to_string();
+    if !down.status.success() {
+        let _ = up.kill();
+        let out = up.wait_with_output().unwrap();
+        let up_log = String::from_utf8_lossy(&out.stderr).to_string();
+        let logs = failed_replica_logs(dir.path(), &replica_names(&up_log));
+        panic!("`streamrl down` failed: {down_log}\nup:\n{up_log}{logs}");
+    }
+    let (status, first_log) = wait_up(up, Duration::from_secs(120));
+    assert!(status.success(), "`up` after `down` ({status}):\n{first_log}");
+    let replicas = first_log
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("up: ")?
+                .split_once(" replica(s)")?
+                .0
+                .parse::<usize>()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no replica count in:\n{first_log}"));
+    let stopped: Vec<&str> = first_log.lines().filter(|l| l.contains(" stopped (")).collect();
+    assert_eq!(stopped.len(), replicas, "{first_log}");
+    assert!(
+        stopped.iter().all(|l| l.ends_with("stopped (exited with status 0)")),
+        "{first_log}"
+    );
+    assert!(first_log.contains("up: stopped: every replica exited 0"), "{first_log}");
+    assert!(
+        down_log.contains(&format!("down: stopped {replicas} replica(s)")),
+        "{down_log}"
+    );
+    assert!(
+        !dir.path().join("run/up.json").exists(),
+        "up.json outlived the supervisor"
+    );
+    for l in first_log
+        .lines()
+        .filter_map(|l| l.strip_prefix("up: ")?.strip_suffix(" stopped (exited with status 0)"))
+    {
+        let log = std::fs::read_to_string(dir.path().join("run/logs").join(format!("{l}.log"))).unwrap();
+        assert!(
+            log.contains("stopped cleanly"),
+            "{l} did not say it stopped cleanly:\n{log}"
+        );
+    }
+    let line = format!(
+        "\n`streamrl down` at version {at}, {:.1} s into the run: {replicas} replicas exited 0\n",
+        t0.elapsed().as_secs_f64()
+    );
+    let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+}
+
+/// A replica that fails by itself right after starting (a rollout pointed at a checkpoint
+/// that is not there) is restarted with a growing backoff; after 5 such failures in a row
+/// `up` stops the others and exits non-zero, printing the replica's own error.
+#[test]
+fn up_gives_up_on_a_replica_that_keeps_failing_and_says_why() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let broker = common::Broker::start();
+    let shape = Shape {
+        max_steps: 2,
+        groups_per_step: 2,
+        group_size: 4,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = topology(&broker.url, shape).replace(
+        "checkpoint: run/sft, max_inflight_groups",
+        "checkpoint: run/no-such-checkpoint, max_inflight_groups",
+    );
+    assert!(yaml.contains("run/no-such-checkpoint"), "{yaml}");
+    std::fs::write(dir.path().join("topology.yaml"), yaml).unwrap();
+    let (status, log) = wait_up(spawn_up(dir.path()), Duration::from_secs(300));
+    assert!(!status.success(), "{log}");
+    let gave_up = log
+        .lines()
+        .find(|l| l.contains("failed 5 times in a row"))
+        .unwrap_or_else(|| panic!("no give-up line:\n{log}"));
+    assert!(gave_up.starts_with("error: up: rollout-"), "{gave_up}");
+    assert!(
+        gave_up.contains("no-such-checkpoint"),
+        "the replica's own error is printed: {gave_up}"
+    );
+    assert!(log.matches("restarting in").count() >= 4, "{log}");
+    assert!(log.contains(" stopped ("), "the other replicas are stopped: {log}");
+    assert!(!dir.path().join("run/up.json").exists());
+}

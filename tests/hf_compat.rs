@@ -547,7 +547,7 @@ fn bf16_logits_are_as_close_to_float32_as_transformers_bf16() {
             common::skip::skipped(
                 "bf16_logits_are_as_close_to_float32_as_transformers_bf16",
                 "bf16 products on bf16 units (the f32 fallback ran; the tolerances were checked on it)",
-                &path,
+                "this CPU has neither AMX nor AVX-512 BF16",
             );
         }
         paths.push(format!(

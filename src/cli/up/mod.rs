@@ -116,12 +116,17 @@ pub async fn up(t: &Topology, topology: &Path, bus_url: &str) -> Result<()> {
         return Ok(());
     }
     // A signal (or `down`), or a replica that keeps failing: stop the rest gracefully.
-    stop_all(&mut replicas).await;
+    let unclean = stop_all(&mut replicas).await;
     let _ = std::fs::remove_file(state_path(&t.run_dir));
     match failure {
         Some(f) => bail!("up: {f}"),
+        None if !unclean.is_empty() => bail!(
+            "up: stopped, but {} replica(s) did not exit cleanly: {}",
+            unclean.len(),
+            unclean.join(", ")
+        ),
         None => {
-            eprintln!("up: stopped");
+            eprintln!("up: stopped: every replica exited 0");
             Ok(())
         }
     }
@@ -159,31 +164,52 @@ async fn supervise(
     Ok(None)
 }
 
-/// SIGTERM to every running replica, then waits (SIGKILL after 60 s).
-async fn stop_all(replicas: &mut [Replica]) {
+/// SIGTERM to every running replica, then waits (SIGKILL after 60 s); prints how each
+/// ended and returns those that did not exit 0 (each finishes its message in hand,
+/// commits and exits 0 on SIGTERM).
+async fn stop_all(replicas: &mut [Replica]) -> Vec<String> {
     for r in replicas.iter() {
         if let Some(c) = &r.child {
             signal(c.id(), Signal::TERM);
         }
     }
     let deadline = Instant::now() + Duration::from_secs(60);
+    let mut unclean = Vec::new();
     loop {
         let mut running = 0;
         for r in replicas.iter_mut() {
-            if let Some(c) = r.child.as_mut() {
-                match c.try_wait() {
-                    Ok(Some(_)) | Err(_) => r.child = None,
-                    Ok(None) if Instant::now() > deadline => {
-                        let _ = c.kill();
-                        let _ = c.wait();
-                        r.child = None;
-                    }
-                    Ok(None) => running += 1,
+            let instance = r.instance();
+            let Some(c) = r.child.as_mut() else { continue };
+            let how = match c.try_wait() {
+                Ok(Some(status)) => Some(status),
+                Err(e) => {
+                    unclean.push(format!("{instance} (waiting for it: {e})"));
+                    r.child = None;
+                    None
                 }
+                Ok(None) if Instant::now() > deadline => {
+                    let _ = c.kill();
+                    unclean.push(format!("{instance} (still running after 60 s: killed)"));
+                    let _ = c.wait();
+                    r.child = None;
+                    None
+                }
+                Ok(None) => {
+                    running += 1;
+                    None
+                }
+            };
+            if let Some(status) = how {
+                let cause = replica::describe(status);
+                eprintln!("up: {instance} stopped ({cause})");
+                if !status.success() {
+                    unclean.push(format!("{instance} ({cause})"));
+                }
+                r.child = None;
             }
         }
         if running == 0 {
-            return;
+            return unclean;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -208,6 +234,20 @@ fn write_state(run_dir: &Path, replicas: &[Replica]) -> Result<()> {
     Ok(())
 }
 
+/// Whether process `pid` is running: it exists and has not exited. A process that has
+/// exited stays in `/proc` as a zombie until its parent reaps it (a shell does at once;
+/// a parent busy elsewhere may not), and it counts as gone.
+fn alive(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // `pid (comm) state ...`: comm may hold spaces and parentheses, the state follows the last `)`.
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next());
+    !matches!(state, Some('Z' | 'X') | None)
+}
+
 /// Stops the `up` of `run_dir`: SIGTERM to its supervisor, then waits until it is gone.
 pub async fn down(run_dir: &Path) -> Result<()> {
     let path = state_path(run_dir);
@@ -219,7 +259,6 @@ pub async fn down(run_dir: &Path) -> Result<()> {
         )
     })?;
     let state: UpState = serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
-    let alive = |pid: u32| Path::new(&format!("/proc/{pid}")).exists();
     if !alive(state.supervisor) {
         let _ = std::fs::remove_file(&path);
         bail!(

@@ -77,8 +77,9 @@ impl Replica {
         let cause = describe(status);
         if self.quick_failures >= MAX_QUICK_FAILURES {
             return Err(format!(
-                "{} failed {MAX_QUICK_FAILURES} times in a row within {QUICK:?} of starting (last: {cause}); see {}",
+                "{} failed {MAX_QUICK_FAILURES} times in a row within {QUICK:?} of starting (last: {cause}{}); see {}",
                 self.instance(),
+                last_error(log).map(|e| format!(": {e}")).unwrap_or_default(),
                 log.display()
             ));
         }
@@ -159,7 +160,19 @@ impl Launcher<'_> {
     }
 }
 
-fn describe(status: std::process::ExitStatus) -> String {
+/// The last line of a replica's log that reports an error (what `streamrl stage` printed
+/// before exiting), without its timestamp and level.
+fn last_error(log: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(log).ok()?;
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("error: ") || l.contains(" ERROR "))?;
+    let line = line.split_once(" ERROR ").map_or(line, |(_, rest)| rest);
+    Some(line.trim().chars().take(400).collect())
+}
+
+pub(super) fn describe(status: std::process::ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
         (Some(c), _) => format!("exited with status {c}"),
