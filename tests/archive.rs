@@ -160,47 +160,16 @@ async fn archive_query_and_replay() {
     assert_eq!(text, expected);
 
     // Every stored row comes back exactly.
-    let stored = sql.select("rollouts", None).await.unwrap();
-    let mut rows: Vec<RolloutRow> = stored
-        .iter()
-        .flat_map(|b| RolloutRow::from_batch(&conform(b)).unwrap())
-        .collect();
-    rows.sort_by_key(|r| r.rollout_id[1..].parse::<u32>().unwrap());
-    assert_eq!(rows, (0..40).map(rollout).collect::<Vec<_>>());
+    assert_eq!(stored_rollouts(&sql).await, (0..40).map(rollout).collect::<Vec<_>>());
 
     // Replay a selection into a fresh bus, keyed by group again.
-    let target = bus::connect(&common::unique("memory://replay")).await.unwrap();
-    target.create_topic(&bus::TopicSpec::new("rollouts", 2)).await.unwrap();
-    let mut c = target.subscribe("check", &["rollouts".to_string()]).await.unwrap();
-    let report = streamrl_archive::replay(
-        &sql,
-        "rollouts",
-        Some("step = 2"),
-        SchemaId::Rollouts,
-        Some("group_id"),
-        &target,
-        "rollouts",
-        1024,
-    )
-    .await
-    .unwrap();
+    let (report, back) = replay_step_2(&sql).await;
     assert_eq!(report.rows, 8);
     assert_eq!(report.messages, 2, "two groups → two keyed messages");
-    let mut back = Vec::new();
-    while back.len() < 8 {
-        let m = tokio::time::timeout(Duration::from_secs(5), c.recv())
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(m.partition, bus::partition_for_key(m.key.as_deref().unwrap(), 2));
-        let b = codec::decode(SchemaId::Rollouts, &m.headers, &m.payload).unwrap();
-        back.extend(RolloutRow::from_batch(&b).unwrap());
-        c.ack(&m.id()).unwrap();
-    }
-    back.sort_by_key(|r| r.rollout_id[1..].parse::<u32>().unwrap());
     assert_eq!(back, (16..24).map(rollout).collect::<Vec<_>>());
 
     // A bad predicate is a clear SQL error, not a panic.
+    let target = bus::connect(&common::unique("memory://replay")).await.unwrap();
     let e = streamrl_archive::replay(
         &sql,
         "rollouts",
@@ -388,9 +357,8 @@ async fn a_query_reads_only_the_topics_it_names() {
     assert!(e.contains("nope") && e.contains("rollouts"), "{e}");
 }
 
-/// Every row of `topic` as the archive's SQL reads it, sorted.
-async fn all_rollouts(run_dir: &Path) -> Vec<RolloutRow> {
-    let sql = Sql::open(run_dir).await.unwrap();
+/// Every archived rollout as a SQL session reads it, sorted.
+async fn stored_rollouts(sql: &Sql) -> Vec<RolloutRow> {
     let mut rows: Vec<RolloutRow> = sql
         .select("rollouts", None)
         .await
@@ -402,14 +370,20 @@ async fn all_rollouts(run_dir: &Path) -> Vec<RolloutRow> {
     rows
 }
 
-/// What a replay of `step = 2` delivers to a fresh bus, sorted.
-async fn replayed(run_dir: &Path) -> Vec<RolloutRow> {
-    let sql = Sql::open(run_dir).await.unwrap();
-    let target = bus::connect(&common::unique("memory://compact-replay")).await.unwrap();
+/// Every archived rollout of the run in `run_dir`, sorted.
+async fn all_rollouts(run_dir: &Path) -> Vec<RolloutRow> {
+    stored_rollouts(&Sql::open(run_dir).await.unwrap()).await
+}
+
+/// Replays the archived rollouts of `step = 2` to a fresh bus, keyed by group again;
+/// what the replay reported and the rows that arrived, sorted (each message in its key's
+/// partition).
+async fn replay_step_2(sql: &Sql) -> (streamrl_archive::ReplayReport, Vec<RolloutRow>) {
+    let target = bus::connect(&common::unique("memory://replay")).await.unwrap();
     target.create_topic(&bus::TopicSpec::new("rollouts", 2)).await.unwrap();
     let mut c = target.subscribe("check", &["rollouts".to_string()]).await.unwrap();
     let report = streamrl_archive::replay(
-        &sql,
+        sql,
         "rollouts",
         Some("step = 2"),
         SchemaId::Rollouts,
@@ -426,12 +400,18 @@ async fn replayed(run_dir: &Path) -> Vec<RolloutRow> {
             .await
             .unwrap()
             .unwrap();
+        assert_eq!(m.partition, bus::partition_for_key(m.key.as_deref().unwrap(), 2));
         let b = codec::decode(SchemaId::Rollouts, &m.headers, &m.payload).unwrap();
         back.extend(RolloutRow::from_batch(&b).unwrap());
         c.ack(&m.id()).unwrap();
     }
     back.sort_by_key(|r| r.rollout_id[1..].parse::<u32>().unwrap());
-    back
+    (report, back)
+}
+
+/// What a replay of `step = 2` from the archive of `run_dir` delivers, sorted.
+async fn replayed(run_dir: &Path) -> Vec<RolloutRow> {
+    replay_step_2(&Sql::open(run_dir).await.unwrap()).await.1
 }
 
 /// Compaction merges a long run's small files into a few large ones: `query` and
