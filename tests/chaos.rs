@@ -237,14 +237,7 @@ fn run(bus: &str, shape: Shape, mut faults: impl FnMut(&Moment)) -> Run {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("topology.yaml"), topology(bus, shape)).unwrap();
     let t0 = Instant::now();
-    let mut up = Command::new(env!("CARGO_BIN_EXE_streamrl"))
-        .arg("up")
-        .current_dir(dir.path())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut up = spawn_up(dir.path());
     let deadline = Instant::now() + Duration::from_secs(1500);
     let status = loop {
         if let Some(s) = up.try_wait().unwrap() {
@@ -294,13 +287,18 @@ fn run(bus: &str, shape: Shape, mut faults: impl FnMut(&Moment)) -> Run {
 /// The last lines of the log of each replica that `up` saw exit with an error (a replica
 /// it restarted without a SIGKILL from the test has a cause worth reading in a failure).
 fn failed_replica_logs(dir: &Path, up_log: &str) -> String {
-    let mut out = String::new();
     let failed: BTreeSet<&str> = up_log
         .lines()
         .filter(|l| l.contains("exited with status"))
         .filter_map(|l| l.strip_prefix("up: ")?.split_whitespace().next())
         .collect();
-    for instance in failed {
+    log_tails(dir, failed)
+}
+
+/// The last 150 lines of the logs of `instances` (`rollout-0`, …) in the run of `dir`.
+fn log_tails<'a>(dir: &Path, instances: impl IntoIterator<Item = &'a str>) -> String {
+    let mut out = String::new();
+    for instance in instances {
         let path = dir.join("run/logs").join(format!("{instance}.log"));
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| format!("({}: {e})", path.display()));
         let lines: Vec<&str> = text.lines().collect();
@@ -612,19 +610,6 @@ fn rl_loop_as_processes_rides_out_a_broker_restart() {
     );
 }
 
-/// `up: <instance> exited with status` lines for every replica `up` started (so that
-/// [`failed_replica_logs`] shows each one's log).
-fn replica_names(up_log: &str) -> String {
-    let mut names = BTreeSet::new();
-    for kind in KINDS {
-        for r in 0..2 {
-            names.insert(format!("up: {kind}-{r} exited with status ?\n"));
-        }
-    }
-    let _ = up_log;
-    names.into_iter().collect()
-}
-
 /// A `streamrl up` started in `dir` (its output piped).
 fn spawn_up(dir: &Path) -> std::process::Child {
     Command::new(env!("CARGO_BIN_EXE_streamrl"))
@@ -706,7 +691,14 @@ fn down_stops_every_replica_cleanly() {
         let _ = up.kill();
         let out = up.wait_with_output().unwrap();
         let up_log = String::from_utf8_lossy(&out.stderr).to_string();
-        let logs = failed_replica_logs(dir.path(), &replica_names(&up_log));
+        let mut instances: Vec<String> = std::fs::read_dir(dir.path().join("run/logs"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| Some(e.file_name().to_str()?.strip_suffix(".log")?.to_string()))
+            .collect();
+        instances.sort();
+        let logs = log_tails(dir.path(), instances.iter().map(String::as_str));
         panic!("`streamrl down` failed: {down_log}\nup:\n{up_log}{logs}");
     }
     let (status, first_log) = wait_up(up, Duration::from_secs(120));
