@@ -15,6 +15,9 @@
 //! assert_eq!(y, [1.0, 2.0, 3.0, 3.0, 4.0, 7.0]);
 //! ```
 
+mod attend;
+pub use attend::{Cached, KEY_BLOCK, KvLayout, attend};
+
 /// Runs `f` compiled for the widest instruction set this CPU has (AVX-512, AVX2 + FMA, or
 /// the baseline), chosen at run time, so that plain loops inside it auto-vectorise to it.
 /// The closure and the helpers called inside must be `#[inline(always)]` (write
@@ -670,56 +673,6 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     )
 }
 
-/// Grouped-query attention of one token over a sequence's cached keys and values.
-///
-/// `q` is (heads, hd). `keys_t` holds the keys transposed, (kv_heads, hd, ld) with
-/// `ld ≥ len`: dimension `d` of kv head `g` at position `j` is `keys_t[(g·hd + d)·ld + j]`,
-/// so that a query's scores run over 32 positions at once ([`scores_transposed`]).
-/// `values` are (len, kv_heads, hd), position-major. The token attends to all `len`
-/// positions; head `h` reads kv head `h / (heads / kv_heads)`. Writes `out` (heads, hd).
-/// `scores` is scratch of at least `len`.
-///
-/// Sums in the training forward's order ([`crate::train::attention_forward`]), so a decode
-/// step's output equals the training forward's row for that token to the bit: each score a
-/// chain of fused multiply-adds along the head dimension ([`scores_transposed`], as the
-/// training forward computes it), then [`softmax_in_place`], then [`weighted_sum`].
-#[allow(clippy::too_many_arguments)]
-pub fn attend(
-    q: &[f32],
-    keys_t: &[f32],
-    ld: usize,
-    values: &[f32],
-    len: usize,
-    kv_heads: usize,
-    hd: usize,
-    scale: f32,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
-    let heads = q.len() / hd;
-    let rep = heads / kv_heads;
-    let stride = kv_heads * hd;
-    assert!(
-        ld >= len && keys_t.len() >= (kv_heads * hd - 1) * ld + len,
-        "attend: {len} positions of {kv_heads}×{hd} transposed keys need ld ≥ {len} and {} values (ld {ld}, {} given)",
-        (kv_heads * hd - 1) * ld + len,
-        keys_t.len()
-    );
-    let s = &mut scores[..len];
-    with_fma(
-        #[inline(always)]
-        || {
-            for head in 0..heads {
-                let g = head / rep;
-                let qh = &q[head * hd..(head + 1) * hd];
-                scores_transposed(qh, &keys_t[g * hd * ld..], ld, scale, s);
-                softmax_in_place(s);
-                weighted_sum(s, &values[g * hd..], stride, &mut out[head * hd..(head + 1) * hd]);
-            }
-        },
-    )
-}
-
 /// Keys per block of [`scores_transposed`] and value columns per block of
 /// [`weighted_sum`]: four AVX registers of accumulators, kept in registers across the whole
 /// reduction (one load of the other operand per fused multiply-add, no store).
@@ -1101,34 +1054,6 @@ mod tests {
                     (g as f64 - exact).abs() < 1e-4,
                     "width {hd}, column {c}: {g} vs {exact}"
                 );
-            }
-        }
-    }
-
-    #[test]
-    fn attention_matches_a_naive_softmax_over_positions() {
-        let (heads, kv, hd, len) = (4, 2, 8, 5);
-        let q = data(heads * hd, 3);
-        let (k, v) = (data(len * kv * hd, 4), data(len * kv * hd, 5));
-        let mut out = vec![0.0; heads * hd];
-        // The keys transposed with room for 3 more positions (ld > len).
-        let ld = len + 3;
-        let mut kt = vec![f32::NAN; kv * hd * ld];
-        for j in 0..len {
-            for r in 0..kv * hd {
-                kt[r * ld + j] = k[j * kv * hd + r];
-            }
-        }
-        attend(&q, &kt, ld, &v, len, kv, hd, 0.3, &mut [0.0; 16], &mut out);
-        for h in 0..heads {
-            let g = h / 2;
-            let s: Vec<f32> = (0..len)
-                .map(|j| (0..hd).map(|i| q[h * hd + i] * k[(j * kv + g) * hd + i]).sum::<f32>() * 0.3)
-                .collect();
-            let z: f32 = s.iter().map(|x| x.exp()).sum();
-            for i in 0..hd {
-                let want: f32 = (0..len).map(|j| s[j].exp() / z * v[(j * kv + g) * hd + i]).sum();
-                assert!((out[h * hd + i] - want).abs() < 1e-5, "head {h} dim {i}");
             }
         }
     }

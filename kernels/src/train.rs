@@ -1166,19 +1166,22 @@ mod tests {
         for len in lens {
             for i in 0..len {
                 let at = start + i;
-                let keys_t = cpu::transpose(&k[start * kw..(at + 1) * kw], i + 1, kw);
-                let values = &v[start * kw..(at + 1) * kw];
+                let kv = cpu::KvLayout::with_room(kv_heads, hd, i + 1);
+                let (mut keys, mut values) = (vec![0f32; kv.size()], vec![0f32; kv.size()]);
+                for j in 0..=i {
+                    let (kj, vj) = (&k[(start + j) * kw..][..kw], &v[(start + j) * kw..][..kw]);
+                    kv.write(&mut keys, &mut values, j, kj, vj);
+                }
                 let mut one = vec![0f32; qw];
+                let mut scratch = vec![0.0; heads / kv_heads * t];
                 cpu::attend(
                     &q[at * qw..(at + 1) * qw],
-                    &keys_t,
+                    &keys,
+                    &values,
+                    kv,
                     i + 1,
-                    values,
-                    i + 1,
-                    kv_heads,
-                    hd,
                     0.125,
-                    &mut vec![0.0; t],
+                    &mut scratch,
                     &mut one,
                 );
                 same_bits(

@@ -33,6 +33,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use streamrl_kernels::bf16::{self, Products};
+use streamrl_kernels::cpu::{Cached, KvLayout};
 use streamrl_kernels::{cores, cpu};
 
 use crate::config::{Config, MoeConfig, RopeLayout, RouterScore};
@@ -197,15 +198,11 @@ struct Layer {
 /// grows; for a mixture of experts, also the experts every position was routed to.
 #[derive(Debug, Clone)]
 pub struct SeqKv {
-    /// Per layer, the keys transposed, (kv_heads, head_dim, cap): dimension `d` of kv head
-    /// `g` at position `j` is at `(g·head_dim + d)·cap + j`, so that a query's scores run
-    /// over 32 positions at once ([`cpu::attend`]).
-    kt: Vec<Vec<f32>>,
-    /// Positions each layer's `kt` has room for (it grows, doubling, when a sequence runs
-    /// past it).
-    cap: usize,
-    /// Per layer, `len` positions of (kv_heads, head_dim) values, position-major.
-    v: Vec<Vec<f32>>,
+    /// Per layer, the keys and values laid out for [`cpu::attend`].
+    cache: Cache,
+    /// Where each layer's keys and values lie (room for `layout.cap` positions; it grows,
+    /// doubling, when a sequence runs past it).
+    layout: KvLayout,
     len: usize,
     /// Per position, per layer, the `top_k` experts chosen (empty for a dense model).
     routes: Vec<u8>,
@@ -229,22 +226,51 @@ impl SeqKv {
         self.len == 0
     }
 
-    /// Room for `need` positions in every layer's transposed keys: each (kv head, dim) row
-    /// moves to a buffer of at least twice the old room. The values grow as a `Vec` does.
+    /// Room for `need` positions in every layer: the cached ones move to buffers of at
+    /// least twice the old room.
     fn reserve(&mut self, need: usize) {
-        if need <= self.cap {
+        if need <= self.layout.cap {
             return;
         }
-        // `cap` is at least 1 ([`CpuModel::new_kv`]).
-        let cap = need.max(2 * self.cap);
-        for kt in &mut self.kt {
-            let mut grown = vec![0f32; kt.len() / self.cap * cap];
-            for (new, old) in grown.chunks_exact_mut(cap).zip(kt.chunks_exact(self.cap)) {
-                new[..self.len].copy_from_slice(&old[..self.len]);
-            }
-            *kt = grown;
+        let old = self.layout;
+        let new = KvLayout::with_room(old.kv_heads, old.hd, need.max(2 * old.cap));
+        match &mut self.cache {
+            Cache::F32(l) => l.grow(old, new, self.len),
+            Cache::Bf16(l) => l.grow(old, new, self.len),
         }
-        self.cap = cap;
+        self.layout = new;
+    }
+}
+
+/// The number type a sequence's cache holds: f32, or bf16 where the model's products are
+/// bf16 (attention then reads its inputs rounded to bf16, as the training forward's bf16
+/// products do, and a decode step reads half the bytes).
+#[derive(Debug, Clone)]
+enum Cache {
+    F32(Layers<f32>),
+    Bf16(Layers<u16>),
+}
+
+/// Per layer, the keys ([`KvLayout`]: per kv head, blocks of 16 positions) and values (per
+/// kv head, position-major).
+#[derive(Debug, Clone)]
+struct Layers<T> {
+    k: Vec<Vec<T>>,
+    v: Vec<Vec<T>>,
+}
+
+impl<T: Cached> Layers<T> {
+    fn new(layers: usize, layout: KvLayout) -> Layers<T> {
+        Layers {
+            k: (0..layers).map(|_| vec![T::default(); layout.size()]).collect(),
+            v: (0..layers).map(|_| vec![T::default(); layout.size()]).collect(),
+        }
+    }
+
+    fn grow(&mut self, old: KvLayout, new: KvLayout, len: usize) {
+        for (k, v) in self.k.iter_mut().zip(&mut self.v) {
+            (*k, *v) = old.grow(new, k, v, len);
+        }
     }
 }
 
@@ -260,6 +286,9 @@ pub struct CpuModel {
     cos: Vec<f32>,
     sin: Vec<f32>,
     threads: usize,
+    /// Whether sequences cache keys and values in bf16 (the products are bf16 on a bf16
+    /// unit).
+    bf16_cache: bool,
 }
 
 impl CpuModel {
@@ -325,6 +354,7 @@ impl CpuModel {
             cos: host(&m.rope.cos)?,
             sin: host(&m.rope.sin)?,
             threads: candle_core::utils::get_num_threads(),
+            bf16_cache: p == Products::Bf16 && bf16::path() != bf16::Path::F32,
         })
     }
 
@@ -335,12 +365,15 @@ impl CpuModel {
 
     /// An empty cache with room reserved for `capacity` positions.
     pub fn new_kv(&self, capacity: usize) -> SeqKv {
-        let cap = capacity.min(self.cfg.max_positions).max(1);
-        let per = cap * self.cfg.n_kv_heads * self.cfg.head_dim;
+        let c = &self.cfg;
+        let layout = KvLayout::with_room(c.n_kv_heads, c.head_dim, capacity.min(c.max_positions));
         SeqKv {
-            kt: (0..self.cfg.n_layers).map(|_| vec![0f32; per]).collect(),
-            cap,
-            v: (0..self.cfg.n_layers).map(|_| Vec::with_capacity(per)).collect(),
+            cache: if self.bf16_cache {
+                Cache::Bf16(Layers::new(c.n_layers, layout))
+            } else {
+                Cache::F32(Layers::new(c.n_layers, layout))
+            },
+            layout,
             len: 0,
             routes: Vec::new(),
         }
@@ -443,11 +476,10 @@ impl CpuModel {
                         self.rope(head, pos);
                     }
                 }
-                let (kt, cap) = (&mut kv.kt[li], kv.cap);
-                for (r, &x) in k.iter().enumerate() {
-                    kt[r * cap + pos] = x;
+                match &mut kv.cache {
+                    Cache::F32(l) => kv.layout.write(&mut l.k[li], &mut l.v[li], pos, k, v),
+                    Cache::Bf16(l) => kv.layout.write(&mut l.k[li], &mut l.v[li], pos, k, v),
                 }
-                kv.v[li].extend_from_slice(v);
                 row += 1;
             }
         }
@@ -470,23 +502,18 @@ impl CpuModel {
             row += toks.len();
         }
         cores::each(items, |(kv, n, row, att)| {
-            let (kt, vs) = (&kv.kt[li], &kv.v[li]);
-            let mut scores = vec![0f32; kv.len + n];
+            let mut scratch = vec![0f32; (nh / nkv) * (kv.len + n)];
             for i in 0..n {
-                let pos = kv.len + i;
                 let r = row + i;
-                cpu::attend(
+                let (q, out) = (
                     &qkv[r * qkv_w..r * qkv_w + nh * hd],
-                    kt,
-                    kv.cap,
-                    vs,
-                    pos + 1,
-                    nkv,
-                    hd,
-                    scale,
-                    &mut scores,
                     &mut att[i * nh * hd..(i + 1) * nh * hd],
                 );
+                let len = kv.len + i + 1;
+                match &kv.cache {
+                    Cache::F32(l) => cpu::attend(q, &l.k[li], &l.v[li], kv.layout, len, scale, &mut scratch, out),
+                    Cache::Bf16(l) => cpu::attend(q, &l.k[li], &l.v[li], kv.layout, len, scale, &mut scratch, out),
+                }
             }
         });
     }
