@@ -466,6 +466,10 @@ pub(crate) fn run_python_lines(
 ) -> Result<Vec<serde_json::Value>> {
     let mut c = Command::new("python3");
     c.arg("-c").arg(script).args(args).env("OMP_NUM_THREADS", "1");
+    // PyTorch runs with its OpenMP's own default, not the spin limit set for streamrl.
+    if streamrl_kernels::bf16::wait_policy_set_here() {
+        c.env_remove(streamrl_kernels::bf16::SPIN_VARIABLE);
+    }
     if let Some(p) = pythonpath {
         c.env("PYTHONPATH", p);
     }
