@@ -405,8 +405,7 @@ impl CpuModel {
         for (li, layer) in self.layers.iter().enumerate() {
             cpu::rms_norm(&x, &layer.attn_norm, c.eps as f32, &mut h);
             layer.qkv.apply(&h, n, &mut qkv, false, self.threads);
-            self.append_kv(li, layer, &mut qkv, seqs);
-            self.attend(li, &qkv, seqs, &mut att);
+            self.attend(li, layer, &mut qkv, seqs, &mut att);
             layer.o.apply(&att, n, &mut x, true, self.threads);
             cpu::rms_norm(&x, &layer.ff_norm, c.eps as f32, &mut h);
             match &layer.ff {
@@ -455,60 +454,54 @@ impl CpuModel {
         }
     }
 
-    /// Per token of layer `li`: q/k norms, rotary embedding, then the keys and values join
-    /// the sequence's cache.
-    fn append_kv(&self, li: usize, layer: &Layer, qkv: &mut [f32], seqs: &mut [(&mut SeqKv, &[u32])]) {
+    /// Per token of layer `li`, of one sequence whose `n` new tokens are the rows of `qkv`:
+    /// q/k norms, rotary embedding, then the keys and values join the sequence's cache.
+    fn append_kv(&self, li: usize, layer: &Layer, kv: &mut SeqKv, n: usize, qkv: &mut [f32]) {
         let c = &self.cfg;
         let (hd, nh, nkv) = (c.head_dim, c.n_heads, c.n_kv_heads);
-        let qkv_w = (nh + 2 * nkv) * hd;
-        let mut row = 0;
-        for (kv, toks) in seqs.iter_mut() {
-            for i in 0..toks.len() {
-                let pos = kv.len + i;
-                let r = &mut qkv[row * qkv_w..(row + 1) * qkv_w];
-                let (q, rest) = r.split_at_mut(nh * hd);
-                let (k, v) = rest.split_at_mut(nkv * hd);
-                for (heads, norm) in [(&mut *q, &layer.q_norm), (&mut *k, &layer.k_norm)] {
-                    for head in heads.chunks_exact_mut(hd) {
-                        if let Some(w) = norm {
-                            cpu::rms_norm_in_place(head, w, c.eps as f32);
-                        }
-                        self.rope(head, pos);
+        for (i, r) in qkv.chunks_exact_mut((nh + 2 * nkv) * hd).take(n).enumerate() {
+            let pos = kv.len + i;
+            let (q, rest) = r.split_at_mut(nh * hd);
+            let (k, v) = rest.split_at_mut(nkv * hd);
+            for (heads, norm) in [(&mut *q, &layer.q_norm), (&mut *k, &layer.k_norm)] {
+                for head in heads.chunks_exact_mut(hd) {
+                    if let Some(w) = norm {
+                        cpu::rms_norm_in_place(head, w, c.eps as f32);
                     }
+                    self.rope(head, pos);
                 }
-                match &mut kv.cache {
-                    Cache::F32(l) => kv.layout.write(&mut l.k[li], &mut l.v[li], pos, k, v),
-                    Cache::Bf16(l) => kv.layout.write(&mut l.k[li], &mut l.v[li], pos, k, v),
-                }
-                row += 1;
+            }
+            match &mut kv.cache {
+                Cache::F32(l) => kv.layout.write(&mut l.k[li], &mut l.v[li], pos, k, v),
+                Cache::Bf16(l) => kv.layout.write(&mut l.k[li], &mut l.v[li], pos, k, v),
             }
         }
     }
 
-    /// Attention of layer `li` into `att`: token i of a sequence sees that sequence's
-    /// positions 0..=pos. Sequences are independent items: inside [`cores::spread`] they
-    /// spread over the cores the products use (each computed as alone: the same bits).
-    fn attend(&self, li: usize, qkv: &[f32], seqs: &[(&mut SeqKv, &[u32])], att: &mut [f32]) {
+    /// Layer `li`'s attention into `att`: each sequence's new tokens join its cache
+    /// ([`Self::append_kv`]), then token i of a sequence sees that sequence's positions
+    /// 0..=pos. Sequences are independent items: inside [`cores::spread`] they spread over
+    /// the cores the products use (each computed as alone: the same bits).
+    fn attend(&self, li: usize, layer: &Layer, qkv: &mut [f32], seqs: &mut [(&mut SeqKv, &[u32])], att: &mut [f32]) {
         let c = &self.cfg;
         let (hd, nh, nkv) = (c.head_dim, c.n_heads, c.n_kv_heads);
         let qkv_w = (nh + 2 * nkv) * hd;
         let scale = (1.0 / (hd as f64).sqrt()) as f32;
         let mut items = Vec::with_capacity(seqs.len());
-        let (mut rest, mut row) = (att, 0);
-        for (kv, toks) in seqs {
-            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(toks.len() * nh * hd);
+        let (mut rows, mut rest) = (qkv, att);
+        for (kv, toks) in seqs.iter_mut() {
+            let n = toks.len();
+            let (mine, tail) = std::mem::take(&mut rows).split_at_mut(n * qkv_w);
+            rows = tail;
+            let (out, tail) = std::mem::take(&mut rest).split_at_mut(n * nh * hd);
             rest = tail;
-            items.push((&**kv, toks.len(), row, mine));
-            row += toks.len();
+            items.push((&mut **kv, n, mine, out));
         }
-        cores::each(items, |(kv, n, row, att)| {
+        cores::each(items, |(kv, n, qkv, att)| {
+            self.append_kv(li, layer, kv, n, qkv);
             let mut scratch = vec![0f32; (nh / nkv) * (kv.len + n)];
-            for i in 0..n {
-                let r = row + i;
-                let (q, out) = (
-                    &qkv[r * qkv_w..r * qkv_w + nh * hd],
-                    &mut att[i * nh * hd..(i + 1) * nh * hd],
-                );
+            for (i, (row, out)) in qkv.chunks_exact(qkv_w).zip(att.chunks_exact_mut(nh * hd)).enumerate() {
+                let q = &row[..nh * hd];
                 let len = kv.len + i + 1;
                 match &kv.cache {
                     Cache::F32(l) => cpu::attend(q, &l.k[li], &l.v[li], kv.layout, len, scale, &mut scratch, out),

@@ -6,6 +6,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use rand::rngs::StdRng;
 
+use streamrl_kernels::cores;
+
 use super::sample::sample;
 use super::{EngineConfig, EngineStats, Event, FinishReason, Output, SamplingParams};
 use crate::infer::SeqKv;
@@ -102,8 +104,16 @@ impl Core {
         let ctx = self.model.config().max_positions;
         let eos = self.tokenizer.as_ref().and_then(|t| t.eos);
         let mut kept = Vec::with_capacity(seqs.len());
-        for (r, (mut s, row)) in seqs.into_iter().zip(rows).enumerate() {
-            let (token, logprob, top) = sample(&row, &s.params, &mut s.rng);
+        let mut seqs = seqs;
+        // Each row's pick depends on its row and its sequence's generator alone: rows
+        // spread over the cores a step is given (inside `cores::spread`), the same picks.
+        let mut picks = vec![None; seqs.len()];
+        let items: Vec<_> = seqs.iter_mut().zip(&rows).zip(picks.iter_mut()).collect();
+        cores::each(items, |((s, row), pick)| {
+            *pick = Some(sample(row, &s.params, &mut s.rng))
+        });
+        for (r, (mut s, pick)) in seqs.into_iter().zip(picks).enumerate() {
+            let (token, logprob, top) = pick.expect("every row was sampled");
             s.tokens.push(token);
             s.logprobs.push(logprob);
             s.top_logprobs.push(top.clone());
