@@ -120,19 +120,18 @@ impl Products {
 /// instead: on 2 cores at SmolLM2's shape a batch-32 decode step took 52–54 ms passive,
 /// 44 ms with 30 000 rounds, 51 ms with 3 000, and a bf16 training step at 4×128 on two
 /// threads 1956 ms passive, 1701 ms with 30 000. libgomp reads the variable once, when
-/// oneDNN loads it. Returns whether it set the variable ([`wait_policy_set_here`]).
+/// oneDNN loads it. [`wait_policy_set_here`] says whether it set the variable.
 ///
 /// # Safety
 /// Sets an environment variable: call it before any other thread of the process exists
 /// (first thing in `main`).
 #[allow(unsafe_code)]
-pub unsafe fn sleep_between_products() -> bool {
+pub unsafe fn sleep_between_products() {
     if std::env::var_os("OMP_WAIT_POLICY").is_none() && std::env::var_os(SPIN_VARIABLE).is_none() {
         // SAFETY: the caller's contract: no other thread reads the environment now.
         unsafe { std::env::set_var(SPIN_VARIABLE, "30000") };
         WAIT_SET_HERE.store(true, std::sync::atomic::Ordering::Relaxed);
     }
-    wait_policy_set_here()
 }
 
 /// The variable [`sleep_between_products`] sets.
@@ -170,7 +169,17 @@ pub fn widen(h: u16) -> f32 {
 
 /// `x` rounded to bf16 and back: what a bf16 product reads for `x`.
 pub fn rounded(x: &[f32]) -> Vec<f32> {
-    x.iter().map(|&v| widen(round(v))).collect()
+    let mut v = x.to_vec();
+    round_in_place(&mut v);
+    v
+}
+
+/// [`rounded`] in place.
+#[inline(always)]
+pub fn round_in_place(x: &mut [f32]) {
+    for v in x.iter_mut() {
+        *v = widen(round(*v));
+    }
 }
 
 /// `dst = scale · a @ b`, or `dst += scale · a @ b` when `accumulate`, with `a` and `b`

@@ -784,9 +784,10 @@ unsafe fn weighted_sum_avx2(p: &[f32], v: &[f32], stride: usize, out: &mut [f32]
     }
 }
 
-/// [`weighted_sum`] in plain loops.
+/// [`weighted_sum`] in plain loops, over values of either number type the decode cache
+/// holds ([`Cached`]; `f32` here, and in [`attend`]'s per-head path).
 #[inline(always)]
-fn weighted_sum_portable(p: &[f32], v: &[f32], stride: usize, out: &mut [f32]) {
+fn weighted_sum_portable<T: Cached>(p: &[f32], v: &[T], stride: usize, out: &mut [f32]) {
     let hd = out.len();
     let full = hd / BLOCK * BLOCK;
     for (b, chunk) in out[..full].chunks_exact_mut(BLOCK).enumerate() {
@@ -797,7 +798,7 @@ fn weighted_sum_portable(p: &[f32], v: &[f32], stride: usize, out: &mut [f32]) {
             }
             let x = &v[j * stride + b * BLOCK..][..BLOCK];
             for l in 0..BLOCK {
-                acc[l] = pj.mul_add(x[l], acc[l]);
+                acc[l] = pj.mul_add(x[l].load(), acc[l]);
             }
         }
         chunk.copy_from_slice(&acc);
@@ -808,8 +809,8 @@ fn weighted_sum_portable(p: &[f32], v: &[f32], stride: usize, out: &mut [f32]) {
         if pj == 0.0 {
             continue;
         }
-        for (o, &x) in tail.iter_mut().zip(&v[j * stride + full..j * stride + hd]) {
-            *o = pj.mul_add(x, *o);
+        for (o, x) in tail.iter_mut().zip(&v[j * stride + full..j * stride + hd]) {
+            *o = pj.mul_add(x.load(), *o);
         }
     }
 }

@@ -30,7 +30,7 @@
 //! assert_eq!(out, [2.0; 8]);
 //! ```
 
-use super::{softmax_in_place, with_fma};
+use super::{softmax_in_place, weighted_sum_portable, with_fma};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -290,9 +290,9 @@ fn attend_per_head<T: Cached>(
                 scores_blocked(qh, kb, scale, s);
                 softmax_in_place(s);
                 if T::BF16 {
-                    round_in_place(s);
+                    crate::bf16::round_in_place(s);
                 }
-                weighted_sum_of(s, &values[kv.value(g, 0)..], hd, oh);
+                weighted_sum_portable(s, &values[kv.value(g, 0)..], hd, oh);
             }
         },
     )
@@ -314,31 +314,6 @@ fn scores_blocked<T: Cached>(q: &[f32], kb: &[T], scale: f32, s: &mut [f32]) {
         for (o, a) in chunk.iter_mut().zip(acc) {
             *o = a * scale;
         }
-    }
-}
-
-/// `out = Σ_j p[j] · v[j·stride ..][..out.len()]` as [`weighted_sum`] sums it (one fused
-/// multiply-add per term in position order, zero terms skipped): the same bits, from a
-/// cache of either number type.
-#[inline(always)]
-fn weighted_sum_of<T: Cached>(p: &[f32], v: &[T], stride: usize, out: &mut [f32]) {
-    let hd = out.len();
-    out.fill(0.0);
-    for (j, &pj) in p.iter().enumerate() {
-        if pj == 0.0 {
-            continue;
-        }
-        for (o, x) in out.iter_mut().zip(&v[j * stride..][..hd]) {
-            *o = pj.mul_add(x.load(), *o);
-        }
-    }
-}
-
-/// Each value rounded to bf16 (what a bf16 product reads).
-#[inline(always)]
-pub(super) fn round_in_place(x: &mut [f32]) {
-    for v in x.iter_mut() {
-        *v = crate::bf16::widen(crate::bf16::round(*v));
     }
 }
 

@@ -97,14 +97,13 @@ impl Core {
     /// Returns the sequences still running, with their index in `seqs`.
     pub(crate) fn advance(
         &mut self,
-        seqs: Vec<Seq>,
+        mut seqs: Vec<Seq>,
         rows: Vec<Vec<f32>>,
         events: &mut Vec<Event>,
     ) -> Result<Vec<(usize, Seq)>> {
         let ctx = self.model.config().max_positions;
         let eos = self.tokenizer.as_ref().and_then(|t| t.eos);
         let mut kept = Vec::with_capacity(seqs.len());
-        let mut seqs = seqs;
         // Each row's pick depends on its row and its sequence's generator alone: rows
         // spread over the cores a step is given (inside `cores::spread`), the same picks.
         let mut picks = vec![None; seqs.len()];

@@ -10,7 +10,7 @@
 
 use std::arch::x86_64::{__m256, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_set1_ps, _mm256_setzero_ps, _mm256_storeu_ps};
 
-use super::{Cached, KEY_BLOCK, round_in_place};
+use super::{Cached, KEY_BLOCK};
 use crate::cpu::softmax_in_place;
 
 /// Most query heads computed together: 3 heads × 2 registers of accumulators, with their
@@ -45,7 +45,7 @@ pub(super) unsafe fn attend_heads<T: Cached, const R: usize>(
     for row in s.iter_mut() {
         softmax_in_place(row);
         if T::BF16 {
-            round_in_place(row);
+            crate::bf16::round_in_place(row);
         }
     }
     let mut outs = out.chunks_exact_mut(hd);
