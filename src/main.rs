@@ -11,7 +11,7 @@ mod report;
 mod stages;
 
 use clap::{Parser, Subcommand};
-use cli::{archive, model, pipeline, sandbox, serve, train, up};
+use cli::{archive, model, pipeline, sandbox, serve, soak, train, up};
 
 #[derive(Parser)]
 #[command(
@@ -48,6 +48,10 @@ enum Command {
     Up(up::UpArgs),
     /// Stop the `streamrl up` of a topology's run: every replica finishes, commits, exits.
     Down(up::DownArgs),
+    /// `up` for a set time with SIGKILLs at random moments, sampling every process's
+    /// memory, files and threads, the consumers' lag and the archive's files: a plot and a
+    /// verdict per series (non-zero exit on growth).
+    Soak(soak::SoakArgs),
     /// Run one replica of one stage (for separate processes on a shared Kafka bus).
     Stage(pipeline::StageArgs),
     /// Per topic: partitions, offsets and the lag of every consuming stage.
@@ -165,6 +169,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Run(a) => pipeline::run(a).await,
         Command::Up(a) => up::run(a).await,
         Command::Down(a) => up::stop(a).await,
+        Command::Soak(a) => soak::run(a).await,
         Command::Stage(a) => pipeline::stage(a).await,
         Command::Topics(a) => pipeline::topics(a).await,
         Command::Query(a) => archive::query(a).await,

@@ -6,8 +6,16 @@
 //!
 //! Invariants: the target step is reached; each version is published once, in order; no
 //! sample is trained twice; every admitted group is trained or dropped with a recorded
-//! reason; every trained sample is in the archive; a source restart re-sends at most what
-//! was in flight; no dead letters.
+//! reason; a group a step stopped waiting for is named once and consumed only by a later
+//! version; every trained sample is in the archive; a source restart re-sends at most what
+//! was in flight; no dead letters. The SIGKILL run uses tight limits ([`Limits::Tight`]):
+//! groups held up by a kill time out, come late and are dropped as `stale` or
+//! `superseded` (past a deduplication window that moves on every step), and the table
+//! shows each of those paths was taken.
+//!
+//! The soak test runs `streamrl soak` (`STREAMRL_SOAK_MINUTES`, default 5) on an endless
+//! run and asserts its verdict: no growth of any process's memory, files or threads, of
+//! the lag or of the archive's files.
 //!
 //! The broker is tansu with its memory engine (the broker-restart test: its S3 engine,
 //! with the default 6 s session timeout, `STREAMRL_RESTART_SESSION_MS`, and
@@ -39,6 +47,29 @@ struct Shape {
     max_steps: u64,
     groups_per_step: u64,
     group_size: u64,
+    limits: Limits,
+}
+
+/// How long the trainer waits for a step's groups, and how much it remembers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Limits {
+    /// Long enough never to be reached: every group is trained in its own step.
+    Roomy,
+    /// Short: a group held up by a kill times out (the step trains without it), comes
+    /// later and is dropped as
+    /// `superseded` past a 3-step deduplication window, or as `stale` when its samples are
+    /// more than 2 versions old (the source's async level is 2: a group on time never is).
+    Tight,
+}
+
+impl Limits {
+    /// The trainer's settings.
+    fn settings(self) -> &'static str {
+        match self {
+            Limits::Roomy => "max_off_policy_steps: 1000, dedup_window: 2000, step_timeout_secs: 3600",
+            Limits::Tight => "max_off_policy_steps: 2, dedup_window: 3, step_timeout_secs: 1",
+        }
+    }
 }
 /// The source's async level (bounds what is in flight when it dies).
 const MAX_ASYNC_LEVEL: u64 = 2;
@@ -56,7 +87,9 @@ fn topology(bus: &str, shape: Shape) -> String {
         max_steps,
         groups_per_step,
         group_size,
+        limits,
     } = shape;
+    let trainer_limits = limits.settings();
     format!(
         r#"
 bus: {bus}
@@ -97,7 +130,7 @@ stages:
     kind: trainer
     inputs: [samples]
     outputs: [policy, trained, metrics]
-    config: {{ checkpoint: run/sft, groups_per_step: {groups_per_step}, max_steps: {max_steps}, max_off_policy_steps: 1000, dedup_window: 2000, keep_last: 3, step_timeout_secs: 3600 }}
+    config: {{ checkpoint: run/sft, groups_per_step: {groups_per_step}, max_steps: {max_steps}, {trainer_limits}, keep_last: 3 }}
   archive: {{ kind: archive, inputs: all, config: {{ flush_rows: 200, flush_seconds: 1 }} }}
 "#
     )
@@ -347,7 +380,7 @@ fn invariants(r: &Run, shape: Shape, copies: Copies) -> Vec<(String, String, boo
         n
     };
     let policy_copies = copies_of("policy", "version");
-    let trained_copies = copies_of("trained", "version, sample_id, outcome");
+    let trained_copies = copies_of("trained", "version, group_id, sample_id, outcome");
     let prompt_copies = copies_of("prompts", "group_id");
     let (n, distinct) = (
         number(
@@ -421,6 +454,34 @@ fn invariants(r: &Run, shape: Shape, copies: Copies) -> Vec<(String, String, boo
         format!("{admitted} admitted, {unaccounted} unaccounted; {reasons}"),
         unaccounted == 0 && admitted == (max_steps * shape.groups_per_step) as i64,
     ));
+    // A group a step stopped waiting for: named once, and consumed (if it came) only by
+    // a later version than the one trained without it.
+    let timed_out = number(d, "SELECT count(*) FROM trained WHERE outcome = 'timed_out'");
+    let timed_out_rows = number(
+        d,
+        "SELECT count(*) FROM (SELECT DISTINCT group_id, created_at FROM trained WHERE outcome = 'timed_out')",
+    );
+    let timed_out_groups = number(
+        d,
+        "SELECT count(DISTINCT group_id) FROM trained WHERE outcome = 'timed_out' AND group_id <> ''",
+    );
+    let came_later = number(
+        d,
+        "SELECT count(DISTINCT t.group_id) FROM trained t JOIN trained s ON s.group_id = t.group_id \
+         WHERE t.outcome = 'timed_out' AND s.outcome <> 'timed_out'",
+    );
+    let too_early = number(
+        d,
+        "SELECT count(*) FROM trained t JOIN trained s ON s.group_id = t.group_id \
+         WHERE t.outcome = 'timed_out' AND s.outcome IN ('trained', 'filtered', 'stale') AND s.version <= t.version",
+    );
+    v.push((
+        "timed-out groups named once, consumed only later".into(),
+        format!(
+            "{timed_out_groups} groups ({timed_out} rows), {came_later} came later, {too_early} consumed too early"
+        ),
+        timed_out_rows == timed_out_groups && too_early == 0,
+    ));
     let missing = number(
         d,
         "SELECT count(*) FROM trained t LEFT JOIN samples s \
@@ -473,6 +534,7 @@ fn rl_loop_as_processes_survives_random_sigkills() {
         max_steps,
         groups_per_step: 8,
         group_size: 8,
+        limits: Limits::Tight,
     };
     let min_kills: u32 = env_or("STREAMRL_CHAOS_KILLS", 20);
     let seed: u64 = env_or(
@@ -503,7 +565,30 @@ fn rl_loop_as_processes_survives_random_sigkills() {
     let mut chaos = run(&url(&broker), shape, |m| killer.at(m, max_steps));
     drop(broker);
     chaos.kills = killer.kills;
-    let chaos_rows = invariants(&chaos, shape, Copies::Never);
+    let mut chaos_rows = invariants(&chaos, shape, Copies::Never);
+    // The paths the tight limits are there for, reached while processes died.
+    let outcomes: BTreeMap<String, i64> = query(
+        chaos.dir.path(),
+        "SELECT outcome, count(*) FROM trained GROUP BY outcome",
+    )
+    .iter()
+    .filter_map(|row| {
+        let (k, n) = row.split_once(',')?;
+        Some((k.to_string(), n.parse().ok()?))
+    })
+    .collect();
+    let reached = |k: &str| outcomes.get(k).copied().unwrap_or(0);
+    chaos_rows.push((
+        "paths reached: superseded, stale, timed out".into(),
+        format!(
+            "superseded {}, stale {}, timed_out {}, duplicate {}",
+            reached("superseded"),
+            reached("stale"),
+            reached("timed_out"),
+            reached("duplicate")
+        ),
+        reached("superseded") > 0 && reached("stale") > 0 && reached("timed_out") > 0,
+    ));
     let restarts = chaos.up_log.matches("restarting in").count();
     print_table(
         &format!(
@@ -518,6 +603,15 @@ fn rl_loop_as_processes_survives_random_sigkills() {
     for (name, measured, ok) in control_rows.iter().chain(&chaos_rows) {
         assert!(ok, "invariant broken: {name}: {measured}\n{}", chaos.up_log);
     }
+    // Recovery: a SIGKILL every ~6 s costs the run at most half its time again.
+    let ratio = chaos.wall / control.wall;
+    assert!(
+        ratio <= 1.5,
+        "recovery too slow: the chaos run took {ratio:.2}× the control run ({:.1} s against {:.1} s, {} SIGKILLs); goal ≤ 1.5×",
+        chaos.wall,
+        control.wall,
+        chaos.kills()
+    );
     assert!(
         chaos.kills() >= min_kills,
         "the run ended after {} kills (want {min_kills}): raise STREAMRL_CHAOS_STEPS",
@@ -550,6 +644,7 @@ fn rl_loop_as_processes_rides_out_a_broker_restart() {
         max_steps: env_or("STREAMRL_RESTART_STEPS", 12),
         groups_per_step: 2,
         group_size: 4,
+        limits: Limits::Roomy,
     };
     // Without idempotence: tansu's S3 engine loses an acknowledged batch when it is killed
     // mid-produce under an idempotent producer (see the `idempotence` parameter in
@@ -657,6 +752,7 @@ fn down_stops_every_replica_cleanly() {
         max_steps: 12,
         groups_per_step: 2,
         group_size: 4,
+        limits: Limits::Roomy,
     };
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("topology.yaml"), topology(&broker.url, shape)).unwrap();
@@ -756,6 +852,7 @@ fn up_gives_up_on_a_replica_that_keeps_failing_and_says_why() {
         max_steps: 2,
         groups_per_step: 2,
         group_size: 4,
+        limits: Limits::Roomy,
     };
     let dir = tempfile::tempdir().unwrap();
     let yaml = topology(&broker.url, shape).replace(
@@ -778,4 +875,54 @@ fn up_gives_up_on_a_replica_that_keeps_failing_and_says_why() {
     assert!(log.matches("restarting in").count() >= 4, "{log}");
     assert!(log.contains(" stopped ("), "the other replicas are stopped: {log}");
     assert!(!dir.path().join("run/up.json").exists());
+}
+
+/// `streamrl soak` in small (`STREAMRL_SOAK_MINUTES`, default 5): `up` of an endless run
+/// with a SIGKILL of a random replica every ~30 s; every stage's resident memory, open
+/// files and threads, the consumers' lag and the archive's files show no growth beyond
+/// noise after the first quarter, and the soak writes its samples and plot.
+#[test]
+fn a_soak_with_sigkills_keeps_memory_files_threads_and_lag_flat() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let broker = common::Broker::start();
+    let minutes: f64 = env_or("STREAMRL_SOAK_MINUTES", 5.0);
+    let shape = Shape {
+        max_steps: 1_000_000,
+        groups_per_step: 8,
+        group_size: 8,
+        limits: Limits::Roomy,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("{}?session_timeout_ms=1000", broker.url);
+    std::fs::write(dir.path().join("topology.yaml"), topology(&url, shape)).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_streamrl"))
+        .args(["soak", "--kill-every", "30", "--sample-every", "5", "--seed", "1"])
+        .args(["--minutes", &minutes.to_string(), "--out", "soak"])
+        .current_dir(dir.path())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&out.stderr).to_string();
+    let table: String = log
+        .lines()
+        .filter(|l| !l.starts_with("soak: SIGKILL"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), table.as_bytes());
+    let up_log = std::fs::read_to_string(dir.path().join("soak/up.log")).unwrap_or_default();
+    assert!(
+        out.status.success(),
+        "soak failed ({}):\n{log}\nup:\n{up_log}{}",
+        out.status,
+        failed_replica_logs(dir.path(), &up_log)
+    );
+    assert!(log.contains("soak: no growth beyond noise"), "{log}");
+    let kills = log.matches("soak: SIGKILL").count();
+    assert!(kills as f64 >= minutes, "{kills} SIGKILLs in {minutes} min:\n{log}");
+    let csv = std::fs::read_to_string(dir.path().join("soak/soak.csv")).unwrap();
+    for series in ["rss_mib/trainer", "fds/rollout", "threads/up", "lag", "archive_files"] {
+        assert!(csv.contains(&format!(",{series},")), "no {series} in soak.csv");
+    }
+    let png = std::fs::read(dir.path().join("soak/soak.png")).unwrap();
+    assert!(png.starts_with(b"\x89PNG"), "soak.png is not a PNG");
 }

@@ -74,7 +74,8 @@ pub const REWARD_COMPONENTS: &str = "reward_components";
 /// Group-relative advantage.
 pub const ADVANTAGE: &str = "advantage";
 /// What the trainer did with a sample (`trained`, `filtered`, `stale`, `duplicate`,
-/// `superseded`), on the `trained` lineage topic.
+/// `superseded`) or a group it stopped waiting for (`timed_out`), on the `trained`
+/// lineage topic.
 pub const OUTCOME: &str = "outcome";
 /// On `trained`: the `created_at` of the `samples` row (which copy of a sample id).
 pub const SAMPLE_CREATED_AT: &str = "sample_created_at";

@@ -30,6 +30,7 @@ pub mod codec;
 mod error;
 pub mod fields;
 mod headers;
+pub mod ids;
 pub mod problem;
 mod rows;
 mod schema;

@@ -336,7 +336,8 @@ pub struct PolicyRow {
 }
 
 /// `trained`: lineage. One row per sample the trainer consumed for policy `version`:
-/// trained into it, or dropped with the reason.
+/// trained into it, or dropped with the reason; and one row per group the step waited
+/// for in vain (`timed_out`, with an empty `sample_id`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainedRow {
     /// Training run.
@@ -348,7 +349,7 @@ pub struct TrainedRow {
     pub step: u64,
     /// Its group.
     pub group_id: String,
-    /// The sample.
+    /// The sample (empty on a group's `timed_out` row).
     pub sample_id: String,
     /// What happened to it (see [`Outcome`]).
     pub outcome: String,
@@ -374,6 +375,10 @@ pub enum Outcome {
     /// Dropped: its step is older than the trainer's deduplication window, so it can no
     /// longer be told apart from a copy (an old group regenerated after a restart).
     Superseded,
+    /// A whole group, not a sample: its step waited `step_timeout_secs` for it and was
+    /// trained without it. If it comes later, its samples get rows of their own (trained,
+    /// filtered or stale with a later version, or superseded).
+    TimedOut,
 }
 
 impl Outcome {
@@ -385,6 +390,7 @@ impl Outcome {
             Outcome::Stale => "stale",
             Outcome::Duplicate => "duplicate",
             Outcome::Superseded => "superseded",
+            Outcome::TimedOut => "timed_out",
         }
     }
 }

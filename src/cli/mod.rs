@@ -7,6 +7,7 @@ pub mod model;
 pub mod pipeline;
 pub mod sandbox;
 pub mod serve;
+pub mod soak;
 pub mod train;
 pub mod up;
 

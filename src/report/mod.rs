@@ -104,7 +104,8 @@ fn charts() -> Vec<Chart> {
     ]
 }
 
-type Series = Vec<(String, Vec<(f64, f64)>)>;
+/// Named series of (x, y) points.
+pub(crate) type Series = Vec<(String, Vec<(f64, f64)>)>;
 
 fn f64_column(a: &dyn Array) -> Result<Vec<f64>> {
     let c = arrow::compute::cast(a, &DataType::Float64)?;
@@ -134,7 +135,7 @@ async fn series(sql: &Sql, query: &str) -> Result<Series> {
 const COLORS: [&str; 4] = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
 
 /// A line (or bar) chart with axes, ticks and a legend, as shapes for SVG and PNG.
-fn chart(title: &str, data: &Series, bars: bool) -> Scene {
+pub(crate) fn chart(title: &str, data: &Series, bars: bool) -> Scene {
     let pts: Vec<(f64, f64)> = data
         .iter()
         .flat_map(|(_, v)| v.iter().copied())

@@ -40,6 +40,54 @@ pub enum Shape {
     },
 }
 
+impl Shape {
+    /// The same shape `dy` pixels lower.
+    fn moved_down(self, dy: f64) -> Shape {
+        match self {
+            Shape::Line {
+                x1,
+                y1,
+                x2,
+                y2,
+                color,
+                width,
+            } => Shape::Line {
+                x1,
+                y1: y1 + dy,
+                x2,
+                y2: y2 + dy,
+                color,
+                width,
+            },
+            Shape::Rect { x, y, w, h, color } => Shape::Rect {
+                x,
+                y: y + dy,
+                w,
+                h,
+                color,
+            },
+            Shape::Polyline { points, color, width } => Shape::Polyline {
+                points: points.into_iter().map(|(x, y)| (x, y + dy)).collect(),
+                color,
+                width,
+            },
+            Shape::Text {
+                x,
+                y,
+                size,
+                anchor,
+                text,
+            } => Shape::Text {
+                x,
+                y: y + dy,
+                size,
+                anchor,
+                text,
+            },
+        }
+    }
+}
+
 /// A picture of `w` × `h` pixels on white.
 #[derive(Debug, Clone)]
 pub struct Scene {
@@ -68,6 +116,19 @@ impl Scene {
     /// Adds a shape.
     pub fn push(&mut self, s: Shape) {
         self.shapes.push(s);
+    }
+
+    /// `scenes` one below the other, as wide as the widest.
+    pub fn stacked(scenes: Vec<Scene>) -> Scene {
+        let w = scenes.iter().map(|s| s.w).fold(0.0, f64::max);
+        let mut out = Scene::new(w, scenes.iter().map(|s| s.h).sum());
+        let mut top = 0.0;
+        for s in scenes {
+            out.shapes
+                .extend(s.shapes.into_iter().map(|shape| shape.moved_down(top)));
+            top += s.h;
+        }
+        out
     }
 
     /// The scene as a standalone SVG document.

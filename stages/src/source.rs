@@ -457,12 +457,12 @@ impl SourceStage {
 
     /// The id of group `g` (unique in the run).
     fn group_id(&self, g: u64) -> String {
-        format!("{}-g{g:07}", self.ctx.run_id)
+        streamrl_schemas::ids::group_id(&self.ctx.run_id, g)
     }
 
     /// The index of one of this run's group ids (`None` for another run's).
     fn group_index(&self, id: &str) -> Option<u64> {
-        id.strip_prefix(&self.ctx.run_id)?.strip_prefix("-g")?.parse().ok()
+        streamrl_schemas::ids::group_index(&self.ctx.run_id, id)
     }
 
     /// Files a group's problem by its mean reward once all its samples are scored.

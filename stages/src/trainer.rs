@@ -24,8 +24,9 @@
 //! between the bus's acknowledgement and the record).
 //!
 //! Lineage: with a topic of schema `trained` among its outputs, the trainer emits, with
-//! each version, one row per sample it consumed for it (trained, filtered, stale), and
-//! one row per copy it dropped (duplicate, superseded) when it drops it. After
+//! each version, one row per sample it consumed for it (trained, filtered, stale) and one
+//! per group of its step it stopped waiting for (timed_out, no sample id), and one row
+//! per copy it dropped (duplicate, superseded) when it drops it. After
 //! `max_steps` it signals the end of the run on `policy` ([`Signal::EndOfRun`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -504,7 +505,7 @@ impl TrainerStage {
         if self.last_lineage.is_empty() {
             return Ok(false);
         }
-        let consumed = [Outcome::Trained, Outcome::Filtered, Outcome::Stale].map(Outcome::name);
+        let consumed = [Outcome::Trained, Outcome::Filtered, Outcome::Stale, Outcome::TimedOut].map(Outcome::name);
         for (_, batch) in self.newest_on(topic, SchemaId::Trained).await? {
             let Some(batch) = batch else { continue };
             let found = rows::<TrainedRow>(&batch)?
@@ -576,7 +577,9 @@ impl TrainerStage {
 
     /// Whether the current step's batch is complete, or has waited long enough.
     fn ready(&self) -> bool {
-        let current: usize = self.buffer.range(..=self.version).map(|(_, g)| g.len()).sum();
+        // Groups of earlier steps that came after their step was trained ride along; they
+        // do not stand in for this step's own.
+        let current = self.buffer.get(&self.version).map_or(0, |g| g.len());
         if current >= self.cfg.groups_per_step {
             return true;
         }
@@ -590,7 +593,7 @@ impl TrainerStage {
     fn train_step(&mut self, out: &mut Emitter) -> Result<(), StageError> {
         // Before the weights change (in the same call only if a tick trained two steps).
         self.run_due_eval(out);
-        let (groups, linked) = self.take_step_groups(out);
+        let (groups, linked, timed_out) = self.take_step_groups(out);
         // The step is a trace of its own, linked to every group it consumes; the version
         // it publishes (and its metrics) carry its context.
         let span = telemetry::linked_span("train-step", &self.ctx.instance(), &linked);
@@ -620,6 +623,7 @@ impl TrainerStage {
             self.consumed.entry(s.step).or_default().insert(s.sample_id.clone());
         }
         self.last_lineage = self.lineage_rows(self.version, triage.outcomes.iter().copied());
+        self.last_lineage.extend(self.timed_out_rows(self.version, timed_out));
         let watermark = self.watermark();
         self.consumed = self.consumed.split_off(&watermark);
         self.checkpoint_and_publish(out)?;
@@ -643,22 +647,65 @@ impl TrainerStage {
     }
 
     /// This step's groups (and any that arrived after their own step was trained), their
-    /// inputs released, and the trace contexts they carried; counts the groups missing.
-    fn take_step_groups(&mut self, out: &mut Emitter) -> (Vec<(String, Vec<SampleRow>)>, Vec<String>) {
+    /// inputs released, and the trace contexts they carried; and the ids of the step's
+    /// groups that did not come (counted missing).
+    #[allow(clippy::type_complexity)]
+    fn take_step_groups(&mut self, out: &mut Emitter) -> (Vec<(String, Vec<SampleRow>)>, Vec<String>, Vec<String>) {
+        let step = self.version;
+        let here: Vec<String> = self
+            .buffer
+            .get(&step)
+            .map(|g| g.keys().cloned().collect())
+            .unwrap_or_default();
+        let timed_out = self.missing_groups(step, &here);
+        self.missing += timed_out.len() as u64;
         let mut groups: Vec<(String, Vec<SampleRow>)> = Vec::new();
-        let steps: Vec<u64> = self.buffer.range(..=self.version).map(|(s, _)| *s).collect();
+        let steps: Vec<u64> = self.buffer.range(..=step).map(|(s, _)| *s).collect();
         for s in steps {
             groups.extend(self.buffer.remove(&s).unwrap_or_default());
-        }
-        if groups.len() < self.cfg.groups_per_step {
-            self.missing += (self.cfg.groups_per_step - groups.len()) as u64;
         }
         self.waiting_since = None;
         let linked: Vec<String> = groups.iter().filter_map(|(g, _)| self.traces.remove(g)).collect();
         for (g, _) in &groups {
             out.release(g.clone());
         }
-        (groups, linked)
+        (groups, linked, timed_out)
+    }
+
+    /// The groups admitted for `step` that are not among `here` (its groups that came).
+    /// The source names group `g` of the run `<run_id>-g<g>` for step `g / groups_per_step`
+    /// ([`streamrl_schemas::ids`]); when the step's groups are named otherwise (rows of
+    /// another run replayed into this one), the missing ones are counted with empty ids.
+    fn missing_groups(&self, step: u64, here: &[String]) -> Vec<String> {
+        let n = self.cfg.groups_per_step;
+        if here.len() >= n {
+            return Vec::new();
+        }
+        let admitted = streamrl_schemas::ids::step_groups(&self.ctx.run_id, step, n as u64);
+        if here.iter().all(|g| admitted.contains(g)) {
+            admitted.into_iter().filter(|g| !here.contains(g)).collect()
+        } else {
+            vec![String::new(); n - here.len()]
+        }
+    }
+
+    /// Lineage rows (`timed_out`) for the groups of `version − 1`'s step it was trained
+    /// without.
+    fn timed_out_rows(&self, version: u64, groups: Vec<String>) -> Vec<TrainedRow> {
+        let now = now_ms();
+        groups
+            .into_iter()
+            .map(|group_id| TrainedRow {
+                run_id: self.ctx.run_id.clone(),
+                version: version as u32,
+                step: version - 1,
+                group_id,
+                sample_id: String::new(),
+                outcome: Outcome::TimedOut.name().into(),
+                sample_created_at: 0,
+                created_at: now,
+            })
+            .collect()
     }
 
     /// Saves the new version's checkpoint, then emits its lineage and (after a barrier)

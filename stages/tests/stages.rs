@@ -610,6 +610,11 @@ fn pair(group: &str, version: u32) -> Vec<SampleRow> {
         .collect()
 }
 
+/// `rows` admitted for `step`.
+fn at_step(rows: Vec<SampleRow>, step: u64) -> Vec<SampleRow> {
+    rows.into_iter().map(|r| SampleRow { step, ..r }).collect()
+}
+
 fn sample(group: &str, i: u32, reward: f32, adv: f32, version: u32) -> SampleRow {
     SampleRow {
         run_id: "test".into(),
@@ -702,8 +707,8 @@ async fn trainer_steps_per_batch_publishes_versions_and_resumes_without_repeatin
 
     // Step 2: one group is too old (version 0 < 2 − 1), one is fresh.
     let mut out = Emitter::default();
-    let old = pair("g3", 0);
-    let fresh = pair("g4", 1);
+    let old = at_step(pair("g3", 0), 1);
+    let fresh = at_step(pair("g4", 1), 1);
     t.process(input("samples", &old), &mut out).await.unwrap();
     t.process(input("samples", &fresh), &mut out).await.unwrap();
     let drained = out.drain();
@@ -722,8 +727,8 @@ async fn trainer_steps_per_batch_publishes_versions_and_resumes_without_repeatin
     again.process(input("samples", &g1), &mut out).await.unwrap();
     again.process(input("samples", &fresh), &mut out).await.unwrap();
     assert!(out.drain().is_empty(), "consumed samples were trained again");
-    let stale = pair("g5", 0);
-    let g6 = pair("g6", 2);
+    let stale = at_step(pair("g5", 0), 2);
+    let g6 = at_step(pair("g6", 2), 2);
     again.process(input("samples", &stale), &mut out).await.unwrap();
     again.process(input("samples", &g6), &mut out).await.unwrap();
     let m: Vec<streamrl_schemas::MetricRow> = batches(&mut out, "metrics");
@@ -910,6 +915,99 @@ async fn trainer_trains_each_version_on_the_groups_admitted_for_that_step() {
     t.process(input("samples", &group("c", 1)), &mut out).await.unwrap();
     assert_eq!(t.version(), 2);
     assert_eq!(out.released(), ["c".to_string(), "late".to_string()]);
+}
+
+/// A step that waited `step_timeout_secs` trains without the group that did not come and
+/// says which one on `trained` (`timed_out`); the group, coming later, rides along with the
+/// next step without standing in for one of that step's own groups.
+/// A sample of a step older than the deduplication window is dropped as `superseded`, with
+/// its row; the window moves on with every version.
+#[tokio::test]
+async fn trainer_names_groups_it_stopped_waiting_for_and_drops_superseded_samples() {
+    use streamrl_schemas::TrainedRow;
+    use streamrl_schemas::ids::group_id;
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("init");
+    tiny(&ckpt, 0);
+    let cfg = TrainerConfig {
+        checkpoint: ckpt,
+        groups_per_step: 2,
+        max_off_policy_steps: 1,
+        dedup_window: 2,
+        step_timeout_secs: 0,
+        ..Default::default()
+    };
+    let c = ctx(
+        "trainer",
+        dir.path(),
+        &[
+            ("policy", SchemaId::Policy),
+            ("trained", SchemaId::Trained),
+            ("metrics", SchemaId::Metrics),
+        ],
+    );
+    let mut t = TrainerStage::build(cfg, &c).unwrap();
+    let mut out = Emitter::default();
+    t.start(&mut out).await.unwrap();
+    out.drain();
+    // Groups are named as the source names them: group g is admitted for step g / 2.
+    let g = |i: u64, version: u32| at_step(pair(&group_id("test", i), version), i / 2);
+    let lineage = |out: &mut Emitter| -> Vec<(u32, String, String, String)> {
+        batches::<TrainedRow>(out, "trained")
+            .into_iter()
+            .map(|r| (r.version, r.group_id, r.sample_id, r.outcome))
+            .collect()
+    };
+    // Step 0 has one of its two groups when a group of step 1 comes: with no time to
+    // wait, step 0 trains without group 1, named in the lineage.
+    t.process(input("samples", &g(0, 0)), &mut out).await.unwrap();
+    assert_eq!(t.version(), 0);
+    t.process(input("samples", &g(2, 0)), &mut out).await.unwrap();
+    assert_eq!(t.version(), 1);
+    let rows = lineage(&mut out);
+    let timed_out: Vec<_> = rows.iter().filter(|r| r.3 == "timed_out").collect();
+    assert_eq!(
+        timed_out,
+        [&(1, group_id("test", 1), String::new(), "timed_out".to_string())],
+        "{rows:?}"
+    );
+    assert_eq!(rows.iter().filter(|r| r.3 == "trained").count(), 2, "{rows:?}");
+    // Group 1 comes late: it does not complete step 1 (group 3 does), and rides along.
+    t.process(input("samples", &g(1, 0)), &mut out).await.unwrap();
+    assert_eq!(t.version(), 1, "a late group stood in for one of step 1's");
+    t.process(input("samples", &g(3, 1)), &mut out).await.unwrap();
+    assert_eq!(t.version(), 2);
+    let rows = lineage(&mut out);
+    let outcome = |id: u64| -> Vec<&str> {
+        rows.iter()
+            .filter(|r| r.1 == group_id("test", id))
+            .map(|r| r.3.as_str())
+            .collect()
+    };
+    assert_eq!(outcome(1), ["trained", "trained"], "{rows:?}");
+    assert_eq!(outcome(2), ["trained", "trained"], "{rows:?}");
+    assert_eq!(outcome(3), ["trained", "trained"], "{rows:?}");
+    assert!(rows.iter().all(|r| r.0 == 2 && r.3 != "timed_out"), "{rows:?}");
+    // Versions 3 and 4 (the window, 2 steps, now starts at step 2).
+    for i in 4..8 {
+        t.process(input("samples", &g(i, 3)), &mut out).await.unwrap();
+    }
+    assert_eq!(t.version(), 4);
+    out.drain();
+    // A copy of group 2 (step 1, below the window) is dropped as superseded, at once.
+    let mut out = Emitter::default();
+    t.process(input("samples", &g(2, 0)), &mut out).await.unwrap();
+    assert_eq!(out.holding(), None, "a superseded sample is not held");
+    let rows = lineage(&mut out);
+    assert_eq!(
+        rows.iter().map(|r| (r.0, r.3.as_str())).collect::<Vec<_>>(),
+        [(5, "superseded"), (5, "superseded")],
+        "{rows:?}"
+    );
+    // A copy of group 5 (step 2, inside the window) is a duplicate.
+    t.process(input("samples", &g(5, 3)), &mut out).await.unwrap();
+    let rows = lineage(&mut out);
+    assert!(rows.iter().all(|r| r.3 == "duplicate") && rows.len() == 2, "{rows:?}");
 }
 
 fn ctx_with_envs(stage: &str, run_dir: &Path, outputs: &[(&str, SchemaId)], envs: &str) -> BuildContext {
