@@ -100,8 +100,12 @@ fn main() -> std::process::ExitCode {
     streamrl_sandbox::init::run_if_invoked();
     let cli = Cli::parse();
     cli::set_overrides(cli.set.clone());
-    // Training reuses its freed activation buffers instead of faulting them in again.
-    streamrl_kernels::alloc::retain_freed_memory();
+    // Training reuses its freed activation buffers instead of faulting them in again. A
+    // `streamrl stage` process decides by its stage's kind (`pipeline::stage`): one that
+    // neither trains nor decodes keeps malloc's defaults, which give freed memory back.
+    if !matches!(cli.command, Command::Stage(_)) {
+        streamrl_kernels::alloc::retain_freed_memory();
+    }
     // SAFETY: no other thread exists yet (the async runtime starts below).
     #[allow(unsafe_code)]
     unsafe {

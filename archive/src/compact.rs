@@ -65,6 +65,10 @@ pub(crate) const META_REPLACES: &str = "streamrl.replaces";
 /// (`step`, `version`, …) let a scan skip it, large enough to compress well.
 pub const ROW_GROUP_ROWS: usize = 65_536;
 
+/// A merged file's row group is closed early once its encoded data reaches this size
+/// (rows of `samples` and `rollouts` carry token lists), which bounds a pass's memory.
+const MERGE_BUFFER_BYTES: usize = 8 << 20;
+
 /// How [`compact_topic`] merges (`stages.archive.config.compact_*` in topology.yaml).
 #[derive(Debug, Clone)]
 pub struct CompactConfig {
@@ -401,6 +405,11 @@ fn merge(dir: &Path, run: &[&DataFile], cfg: &CompactConfig) -> Result<u64> {
             })?;
             rows += b.num_rows() as u64;
             w.write(&b).map_err(&perr)?;
+            // A row group of wide rows (token lists) can be tens of MiB before it reaches
+            // ROW_GROUP_ROWS: close it early, so a pass holds at most this much.
+            if w.in_progress_size() > MERGE_BUFFER_BYTES {
+                w.flush().map_err(&perr)?;
+            }
         }
     }
     let file = w.into_inner().map_err(&perr)?;

@@ -340,6 +340,21 @@ fn archived_offsets(dir: &Path, bus: &str) -> BTreeMap<u32, u64> {
     out
 }
 
+/// Hands the memory a compaction pass freed back to the kernel. A pass reads and
+/// rewrites whole files on a blocking thread; glibc keeps what it frees in that thread's
+/// arena (and the binary raises malloc's trim threshold for training), so without this
+/// every pass left ~40 MiB more resident in the archive process (seen by `streamrl soak`:
+/// 81 → 222 MiB in four minutes, a step per pass).
+#[allow(unsafe_code)]
+fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap pages to the kernel; it takes the arena
+    // locks and has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// The archive stage: subscribes to topics, writes them to Parquet, acknowledges inputs
 /// only once their rows are in a renamed file.
 pub struct ArchiveStage {
@@ -409,6 +424,7 @@ impl ArchiveStage {
             for t in topics.flatten().filter(|t| t.path().is_dir()) {
                 total += crate::compact_topic(&t.path(), &cfg)?;
             }
+            release_freed_memory();
             Ok(total)
         });
         match pass.await {

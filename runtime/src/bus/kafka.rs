@@ -11,6 +11,11 @@
 //!   producer's retry with `DUPLICATE_SEQUENCE_NUMBER`, which an idempotent producer must
 //!   take as success — an acknowledged record is lost. Without idempotence the retry is
 //!   written again; the pipeline reconciles duplicates (see the README's guarantees).
+//! * A producer whose client enters a fatal state (an idempotent producer's sequence
+//!   bookkeeping given up, e.g. after a broker lost its producer state) re-creates the
+//!   client and sends again every record the old one failed ([`KafkaProducer`]): none is
+//!   lost; one whose first copy did reach the log is written twice, a copy the pipeline
+//!   reconciles.
 //! * Consumers use `enable.auto.offset.store=false`: an offset is stored only when the
 //!   message is acknowledged (after its outputs were delivered) and only up to the first
 //!   unacknowledged offset; stored offsets are auto-committed every second, committed
@@ -317,30 +322,7 @@ impl Bus for KafkaBus {
     }
 
     async fn producer(&self, client_id: &str) -> Result<Arc<dyn Producer>> {
-        let mut cfg = ClientConfig::new();
-        cfg.set("bootstrap.servers", &self.opts.brokers)
-            .set("client.id", client_id)
-            .set("enable.idempotence", self.opts.idempotence.to_string())
-            .set("acks", "all");
-        if !self.opts.idempotence {
-            // Without sequence numbers only one request in flight keeps retries in order.
-            cfg.set("max.in.flight.requests.per.connection", "1");
-        }
-        let producer: FutureProducer = cfg
-            .set("linger.ms", "5")
-            .set("compression.type", "none") // payloads are already zstd/lz4 Arrow IPC
-            .set(
-                "message.max.bytes",
-                (self.opts.max_message_bytes + 64 * 1024).to_string(),
-            )
-            .set("queue.buffering.max.kbytes", self.opts.queue_kbytes.to_string())
-            .set("queue.buffering.max.messages", "100000")
-            .create()
-            .map_err(kerr("creating producer"))?;
-        Ok(Arc::new(KafkaProducer {
-            producer,
-            bus: self.shallow(),
-        }))
+        Ok(Arc::new(self.kafka_producer(client_id)?))
     }
 
     async fn subscribe(&self, group: &str, topics: &[String]) -> Result<Box<dyn Consumer>> {
@@ -501,6 +483,36 @@ impl KafkaBus {
         })
     }
 
+    /// A producer of this cluster (what [`Bus::producer`] returns, with its own type).
+    pub fn kafka_producer(&self, client_id: &str) -> Result<KafkaProducer> {
+        let mut cfg = ClientConfig::new();
+        cfg.set("bootstrap.servers", &self.opts.brokers)
+            .set("client.id", client_id)
+            .set("enable.idempotence", self.opts.idempotence.to_string())
+            .set("acks", "all");
+        if !self.opts.idempotence {
+            // Without sequence numbers only one request in flight keeps retries in order.
+            cfg.set("max.in.flight.requests.per.connection", "1");
+        }
+        cfg.set("linger.ms", "5")
+            .set("compression.type", "none") // payloads are already zstd/lz4 Arrow IPC
+            .set(
+                "message.max.bytes",
+                (self.opts.max_message_bytes + 64 * 1024).to_string(),
+            )
+            .set("queue.buffering.max.kbytes", self.opts.queue_kbytes.to_string())
+            .set("queue.buffering.max.messages", "100000");
+        let producer: FutureProducer = cfg.create().map_err(kerr("creating producer"))?;
+        Ok(KafkaProducer {
+            core: Arc::new(ProducerCore {
+                current: Mutex::new((producer, 0)),
+                config: cfg,
+                bus: self.shallow(),
+                resent: AtomicU64::new(0),
+            }),
+        })
+    }
+
     fn shallow(&self) -> Shallow {
         Shallow {
             partitions: self.partitions.clone(),
@@ -517,18 +529,169 @@ struct Shallow {
     max: usize,
 }
 
-struct KafkaProducer {
-    producer: FutureProducer,
+/// A producer that replaces its client after a fatal error.
+///
+/// An idempotent producer's client can enter a fatal state (librdkafka gives up on a
+/// partition's sequence bookkeeping, e.g. after the broker lost the producer's state in
+/// a restart): every record in flight fails and every later send is refused. The client
+/// is then re-created from the same configuration, once per fatal error however many
+/// sends notice it, and each record whose delivery failed that way is sent again on the
+/// new one (its fate on the broker unknown, it may be written twice: a copy the pipeline
+/// reconciles like any redelivery; none is lost).
+pub struct KafkaProducer {
+    core: Arc<ProducerCore>,
+}
+
+struct ProducerCore {
+    /// The client now, and how many times it was re-created before.
+    current: Mutex<(FutureProducer, u64)>,
+    config: ClientConfig,
     bus: Shallow,
+    /// Records sent again after a fatal error failed them.
+    resent: AtomicU64,
+}
+
+/// How often one record is sent again after fatal errors before its delivery fails.
+const FATAL_RESENDS: u32 = 3;
+
+impl ProducerCore {
+    fn client(&self) -> (FutureProducer, u64) {
+        self.current.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Re-creates the client if it is still the one of `generation` and in a fatal state
+    /// (the first of several sends that notice a fatal error does it); whether that client
+    /// had one.
+    fn renew_if_fatal(&self, generation: u64) -> Result<bool> {
+        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        if cur.1 != generation {
+            return Ok(true);
+        }
+        let Some((code, reason)) = cur.0.client().fatal_error() else {
+            return Ok(false);
+        };
+        let fresh: FutureProducer = self.config.create().map_err(kerr("re-creating producer"))?;
+        tracing::warn!(error = %code, %reason, generation = generation + 1, "producer: fatal error, client re-created; records in flight are sent again");
+        *cur = (fresh, generation + 1);
+        Ok(true)
+    }
+
+    /// Hands `record` (checked, partition resolved) to the current client; waits while its
+    /// queue is full, and moves to a new client after a fatal error.
+    async fn enqueue(
+        self: &Arc<Self>,
+        topic: &str,
+        record: &Record,
+        partition: Option<i32>,
+    ) -> Result<(rdkafka::producer::DeliveryFuture, u64)> {
+        let mut backoff = Duration::from_micros(200);
+        let mut renewals = 0;
+        loop {
+            let (producer, generation) = self.client();
+            let mut headers = OwnedHeaders::new_with_capacity(record.headers.len());
+            for (k, v) in &record.headers {
+                headers = headers.insert(Header { key: k, value: Some(v) });
+            }
+            let mut rec: FutureRecord<'_, [u8], [u8]> =
+                FutureRecord::to(topic).payload(&record.payload[..]).headers(headers);
+            if let Some(k) = &record.key {
+                rec = rec.key(&k[..]);
+            }
+            if let Some(p) = partition {
+                rec = rec.partition(p);
+            }
+            match producer.send_result(rec) {
+                Ok(fut) => return Ok((fut, generation)),
+                // Backpressure: the client's bounded queue is full; wait for deliveries.
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(20));
+                }
+                Err((e, _)) => {
+                    if renewals < FATAL_RESENDS && self.renew_if_fatal(generation)? {
+                        renewals += 1;
+                        continue;
+                    }
+                    return Err(Error::Kafka {
+                        op: "producing",
+                        reason: format!("to `{topic}`: {e}"),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Sends `record` and waits for the broker's answer, sending it again on a new client
+    /// when the old one failed it with a fatal error.
+    async fn deliver(
+        self: Arc<Self>,
+        topic: String,
+        record: Record,
+        partition: Option<i32>,
+        first: (rdkafka::producer::DeliveryFuture, u64),
+    ) -> Result<Delivery> {
+        let (mut fut, mut generation) = first;
+        let mut resends = 0;
+        loop {
+            match fut.await {
+                Ok(Ok(d)) => {
+                    return Ok(Delivery {
+                        partition: d.partition as u32,
+                        offset: d.offset as u64,
+                    });
+                }
+                Ok(Err((e, _))) => {
+                    if resends < FATAL_RESENDS && self.renew_if_fatal(generation)? {
+                        resends += 1;
+                        self.resent.fetch_add(1, Ordering::Relaxed);
+                        (fut, generation) = self.enqueue(&topic, &record, partition).await?;
+                        continue;
+                    }
+                    return Err(Error::Kafka {
+                        op: "delivering",
+                        reason: format!("to `{topic}`: {e}"),
+                    });
+                }
+                Err(_) => return Err(Error::Closed("waiting for delivery")),
+            }
+        }
+    }
 }
 
 impl KafkaProducer {
     async fn partitions(&self, topic: &str) -> Result<u32> {
-        let p = self.producer.clone();
-        cached_partition_count(&self.bus.partitions, topic, move |t| {
+        let p = self.core.client().0;
+        cached_partition_count(&self.core.bus.partitions, topic, move |t| {
             p.client().fetch_metadata(Some(t), TIMEOUT)
         })
         .await
+    }
+
+    /// How many times the client was re-created after a fatal error.
+    pub fn renewals(&self) -> u64 {
+        self.core.client().1
+    }
+
+    /// How many records were sent again after a fatal error failed their delivery.
+    pub fn resent(&self) -> u64 {
+        self.core.resent.load(Ordering::Relaxed)
+    }
+
+    /// Puts the client in a fatal state as a real fatal error would (librdkafka's
+    /// `rd_kafka_test_fatal_error`, made for testing this): for tests.
+    #[doc(hidden)]
+    pub fn inject_fatal_error(&self, reason: &str) {
+        let (p, _) = self.core.client();
+        let reason = std::ffi::CString::new(reason).unwrap_or_default();
+        // SAFETY: the client pointer is valid while `p` lives; librdkafka copies `reason`.
+        #[allow(unsafe_code)]
+        unsafe {
+            rdkafka::bindings::rd_kafka_test_fatal_error(
+                p.client().native_ptr(),
+                rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER,
+                reason.as_ptr(),
+            );
+        }
     }
 }
 
@@ -565,11 +728,11 @@ where
 impl Producer for KafkaProducer {
     async fn send(&self, topic: &str, record: Record) -> Result<DeliveryFuture> {
         let size = record.size();
-        if size > self.bus.max {
+        if size > self.core.bus.max {
             return Err(Error::RecordTooLarge {
                 topic: topic.to_string(),
                 size,
-                limit: self.bus.max,
+                limit: self.core.bus.max,
             });
         }
         let n = self.partitions(topic).await?;
@@ -578,66 +741,26 @@ impl Producer for KafkaProducer {
             (None, Some(k)) => Some(partition_for_key(k, n) as i32),
             (None, None) => None,
         };
-        let mut headers = OwnedHeaders::new_with_capacity(record.headers.len());
-        for (k, v) in &record.headers {
-            headers = headers.insert(Header { key: k, value: Some(v) });
-        }
-        let counter = in_flight_counter(&self.bus.in_flight, topic);
-        let mut rec: FutureRecord<'_, [u8], [u8]> =
-            FutureRecord::to(topic).payload(&record.payload[..]).headers(headers);
-        if let Some(k) = &record.key {
-            rec = rec.key(&k[..]);
-        }
-        if let Some(p) = partition {
-            rec = rec.partition(p);
-        }
-        let mut backoff = Duration::from_micros(200);
-        loop {
-            match self.producer.send_result(rec) {
-                Ok(fut) => {
-                    counter.fetch_add(size as u64, Ordering::Relaxed);
-                    let topic = topic.to_string();
-                    // The bytes leave the count when the broker answers, whether or not the
-                    // caller ever polls the delivery (a caller that awaits its deliveries
-                    // late would otherwise show them all as still in flight).
-                    let delivered = tokio::spawn(async move {
-                        let r = fut.await;
-                        counter.fetch_sub(size as u64, Ordering::Relaxed);
-                        r
-                    });
-                    return Ok(async move {
-                        match delivered.await.unwrap_or(Err(futures::channel::oneshot::Canceled)) {
-                            Ok(Ok(d)) => Ok(Delivery {
-                                partition: d.partition as u32,
-                                offset: d.offset as u64,
-                            }),
-                            Ok(Err((e, _))) => Err(Error::Kafka {
-                                op: "delivering",
-                                reason: format!("to `{topic}`: {e}"),
-                            }),
-                            Err(_) => Err(Error::Closed("waiting for delivery")),
-                        }
-                    }
-                    .boxed());
-                }
-                // Backpressure: the client's bounded queue is full; wait for deliveries.
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
-                    rec = r;
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(20));
-                }
-                Err((e, _)) => {
-                    return Err(Error::Kafka {
-                        op: "producing",
-                        reason: format!("to `{topic}`: {e}"),
-                    });
-                }
+        let first = self.core.enqueue(topic, &record, partition).await?;
+        let counter = in_flight_counter(&self.core.bus.in_flight, topic);
+        counter.fetch_add(size as u64, Ordering::Relaxed);
+        // The bytes leave the count when the broker answers, whether or not the caller
+        // ever polls the delivery (a caller that awaits its deliveries late would
+        // otherwise show them all as still in flight).
+        let delivered = tokio::spawn({
+            let core = self.core.clone();
+            let topic = topic.to_string();
+            async move {
+                let r = core.deliver(topic, record, partition, first).await;
+                counter.fetch_sub(size as u64, Ordering::Relaxed);
+                r
             }
-        }
+        });
+        Ok(async move { delivered.await.unwrap_or(Err(Error::Closed("waiting for delivery"))) }.boxed())
     }
 
     async fn flush(&self) -> Result<()> {
-        let p = self.producer.clone();
+        let p = self.core.client().0;
         tokio::task::spawn_blocking(move || p.flush(Duration::from_secs(60)))
             .await
             .map_err(|e| Error::Kafka {
