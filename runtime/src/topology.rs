@@ -545,6 +545,15 @@ impl Topology {
             .collect()
     }
 
+    /// The stages that read `topic` (each one consumer group), in name order.
+    pub fn readers(&self, topic: &str) -> Vec<String> {
+        self.stages
+            .iter()
+            .filter(|(_, s)| s.inputs.iter().any(|i| i == topic))
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
     /// The runtime config of one replica of `stage`.
     pub fn runner_config(&self, stage: &str, replica: u32) -> Option<RunnerConfig> {
         let s = self.stages.get(stage)?;

@@ -181,12 +181,7 @@ pub async fn topics(a: TopicsArgs) -> Result<()> {
             println!("{name:<16} (not created on {url})");
             continue;
         }
-        let groups: Vec<String> = t
-            .stages
-            .iter()
-            .filter(|(_, s)| s.inputs.contains(name))
-            .map(|(n, _)| n.clone())
-            .collect();
+        let groups = t.readers(name);
         for p in bus.topic_stats(name, &groups).await? {
             let lags: Vec<String> = groups
                 .iter()

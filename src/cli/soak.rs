@@ -184,12 +184,7 @@ fn running(run_dir: &Path) -> Option<(u32, BTreeMap<String, u32>)> {
 async fn total_lag(bus: &dyn Bus, t: &Topology) -> Option<f64> {
     let mut lag = 0u64;
     for name in t.topics.keys() {
-        let groups: Vec<String> = t
-            .stages
-            .iter()
-            .filter(|(_, s)| s.inputs.contains(name))
-            .map(|(n, _)| n.clone())
-            .collect();
+        let groups = t.readers(name);
         if groups.is_empty() {
             continue;
         }
