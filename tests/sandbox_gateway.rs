@@ -195,3 +195,182 @@ fn the_gateway_runs_commands_and_sessions_behind_a_token() {
     let (st, _) = http(port, "POST", &format!("/v1/sandboxes/{id}/exec"), t, run.as_bytes());
     assert_eq!(st, 404);
 }
+
+/// A `code` rollout of sample `i` answering `problem` with `completion`.
+fn code_row(problem: &streamrl_envs::Problem, completion: &str, i: u32) -> streamrl_schemas::RolloutRow {
+    streamrl_schemas::RolloutRow {
+        run_id: "test".into(),
+        problem_id: problem.id.clone(),
+        group_id: "g".into(),
+        rollout_id: format!("g-{i}"),
+        sample_id: format!("g-{i}-t0"),
+        env: "code".into(),
+        step: 0,
+        sample_index: i,
+        group_size: 32,
+        turn: 0,
+        prompt: problem.question.clone(),
+        prompt_token_ids: vec![1],
+        completion: completion.into(),
+        completion_token_ids: vec![2],
+        completion_logprobs: vec![-0.5],
+        completion_versions: vec![0],
+        completion_routes: vec![],
+        loss_mask: vec![true],
+        finish_reason: "stop".into(),
+        tool_calls: vec![],
+        answer: problem.answer.clone(),
+        info: Some(problem.info.to_string()),
+        temperature: 1.0,
+        started_at: 0,
+        finished_at: 0,
+        created_at: 0,
+    }
+}
+
+/// A gateway process on `port` with a pool of 2.
+fn gateway(port: u16) -> common::Server {
+    let server = common::Server(
+        Command::new(env!("CARGO_BIN_EXE_streamrl"))
+            .args([
+                "sandbox",
+                "serve",
+                "--pool-size",
+                "2",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+            ])
+            .env("STREAMRL_SANDBOX_TOKEN", TOKEN)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    common::wait_listening(port, "a gateway", Duration::from_secs(30));
+    server
+}
+
+/// The sandbox stage on `executor: gateways` with two gateway processes, one SIGKILLed
+/// while it runs executions and started again: every rollout is executed and reported
+/// once, with the statuses and test counts the local pool gives the same rollouts; both
+/// gateways served, and the killed one's interrupted requests were sent elsewhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sandbox_stage_runs_on_a_gateway_fleet_and_rides_out_a_killed_gateway() {
+    use streamrl_runtime::build::{BuildContext, BuildStage};
+    use streamrl_runtime::{Emitter, Input, Stage};
+    use streamrl_schemas::{ExecutedRow, RolloutRow, SchemaId, TopicRow};
+    use streamrl_stages::gateways::GatewaysConfig;
+    use streamrl_stages::sandbox::{Executor, SandboxConfig, SandboxStage};
+
+    const ENVS: &str = "code: {config: {wall_ms: 3000, test_timeout_secs: 2}}";
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = BuildContext {
+        run_id: "test".into(),
+        run_dir: dir.path().to_path_buf(),
+        outputs: [("executed".to_string(), SchemaId::Executed)].into_iter().collect(),
+        envs: serde_yaml::from_str(ENVS).unwrap(),
+        ..BuildContext::new("sandbox", 0)
+    };
+    let envs = streamrl_stages::build_envs(&serde_yaml::from_str(ENVS).unwrap())
+        .unwrap()
+        .unwrap();
+    let code = envs.get("code").unwrap();
+    let add = code.sample(streamrl_envs::Split::Train, 0);
+    let right = code.reference_completion(&add).unwrap();
+    // Each execution takes at least 0.4 s, so the kill below lands on requests in flight.
+    let slow_right = "```python\nimport time\ntime.sleep(0.4)\ndef add(a, b):\n    return a + b\n```";
+    let slow_wrong = "```python\nimport time\ntime.sleep(0.4)\ndef add(a, b):\n    return 3\n```";
+    let rows: Vec<RolloutRow> = (0..24)
+        .map(|i| {
+            let c = match i % 3 {
+                0 => slow_right.to_string(),
+                1 => slow_wrong.to_string(),
+                _ => format!("{right}\nimport time\ntime.sleep(0.4)"),
+            };
+            code_row(&add, &c, i)
+        })
+        .collect();
+    let input = || Input::new("rollouts", RolloutRow::SCHEMA, RolloutRow::to_batch(&rows).unwrap());
+    let executed = |out: &mut Emitter| -> Vec<ExecutedRow> {
+        out.drain()
+            .iter()
+            .filter(|(t, _)| t == "executed")
+            .flat_map(|(_, b)| ExecutedRow::from_batch(b).unwrap())
+            .collect()
+    };
+    let outcome = |rows: &[ExecutedRow]| -> Vec<(u32, String, u32, u32)> {
+        let mut v: Vec<_> = rows
+            .iter()
+            .map(|r| (r.sample_index, r.exec_status.clone(), r.tests_passed, r.tests_total))
+            .collect();
+        v.sort();
+        v
+    };
+
+    // The local pool: what the fleet must give.
+    let local_cfg = SandboxConfig {
+        pool: streamrl_sandbox::SandboxConfig {
+            pool_size: 2,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut local = SandboxStage::build(local_cfg, &ctx).unwrap();
+    let mut out = Emitter::default();
+    local.process(input(), &mut out).await.unwrap();
+    let expected = outcome(&executed(&mut out));
+    assert_eq!(expected.len(), rows.len());
+    assert!(
+        expected.iter().any(|e| e.2 == 3) && expected.iter().any(|e| e.2 == 1),
+        "{expected:?}"
+    );
+
+    let (p1, p2) = (common::free_port(), common::free_port());
+    let g1 = gateway(p1);
+    let _g2 = gateway(p2);
+    let token = dir.path().join("token");
+    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+    let cfg = SandboxConfig {
+        executor: Executor::Gateways,
+        max_concurrency: 8,
+        gateways: GatewaysConfig {
+            endpoints: vec![format!("http://127.0.0.1:{p1}"), format!("http://127.0.0.1:{p2}")],
+            token_file: Some(token),
+            per_gateway: 4,
+            down_secs: 0.5,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut fleet = SandboxStage::build(cfg, &ctx).unwrap();
+    // SIGKILL gateway 1 0.8 s in (its requests in flight fail), start it again 1 s later.
+    let killer = std::thread::spawn(move || {
+        let mut g1 = g1;
+        std::thread::sleep(Duration::from_millis(800));
+        let _ = g1.0.kill();
+        drop(g1);
+        std::thread::sleep(Duration::from_secs(1));
+        gateway(p1)
+    });
+    let mut out = Emitter::default();
+    fleet.process(input(), &mut out).await.unwrap();
+    let _g1_again = killer.join().unwrap();
+    let got = executed(&mut out);
+    assert_eq!(
+        outcome(&got),
+        expected,
+        "the fleet's results differ from the local pool's"
+    );
+    let stats = fleet.gateways().unwrap();
+    let served: u64 = stats.iter().map(|g| g.served).sum();
+    let failed: u64 = stats.iter().map(|g| g.failed).sum();
+    eprintln!("gateways: {stats:?}");
+    assert_eq!(served, rows.len() as u64, "each execution answered once: {stats:?}");
+    assert!(stats.iter().all(|g| g.served > 0), "both gateways served: {stats:?}");
+    assert!(failed >= 1, "the kill interrupted requests in flight: {stats:?}");
+    let first = stats.iter().find(|g| g.url.ends_with(&format!(":{p1}"))).unwrap();
+    assert!(
+        first.failed >= 1,
+        "the killed gateway's requests failed over: {stats:?}"
+    );
+}

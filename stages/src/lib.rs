@@ -16,6 +16,7 @@
 //! value) next to its logic.
 
 pub mod eval;
+pub mod gateways;
 pub mod mask;
 pub mod remote;
 pub mod reward;

@@ -12,9 +12,12 @@
 //!   the next turn; the last allowed turn (`max_turns`) is passed to `executed` instead,
 //!   so the trajectory is scored without an answer.
 //!
-//! Executions of one input run concurrently (at most `max_concurrency`); the pool is
-//! only started when a configured environment needs a sandbox, so the arith demo runs
-//! where namespaces are not available. Replicas share the work through the bus.
+//! Executions of one input run concurrently (at most `max_concurrency`). They run where
+//! `executor` says: `local`, the stage's own warm pool (only started when a configured
+//! environment needs a sandbox, so the arith demo runs where namespaces are not
+//! available), or `gateways`, a fleet of `streamrl sandbox serve` gateways found by name
+//! (see [`crate::gateways`]: least-loaded routing, retries on another gateway,
+//! backpressure). Replicas share the work through the bus.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,6 +32,7 @@ use streamrl_schemas::{
     ContinuationRow, ExecutedRow, RolloutRow, SchemaId, ToolCall, ToolOutput, TopicRow, Validate, trajectory_into,
 };
 
+use crate::gateways::{Fleet, GatewayStats, GatewaysConfig};
 use crate::{Invalid, now_ms, rows};
 
 /// Configuration of the sandbox stage.
@@ -40,6 +44,22 @@ pub struct SandboxConfig {
     pub pool: streamrl_sandbox::SandboxConfig,
     /// Executions in flight at once per replica.
     pub max_concurrency: usize,
+    /// Where executions run: `local` (the pool above, in this process) or `gateways`
+    /// (the fleet in `gateways`; `pool.limits` still caps what is asked of them).
+    pub executor: Executor,
+    /// The gateways, for `executor: gateways`.
+    pub gateways: GatewaysConfig,
+}
+
+/// Where the sandbox stage's executions run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Executor {
+    /// The stage's own warm pool.
+    #[default]
+    Local,
+    /// A fleet of sandbox gateways ([`crate::gateways`]).
+    Gateways,
 }
 
 impl Default for SandboxConfig {
@@ -47,6 +67,8 @@ impl Default for SandboxConfig {
         SandboxConfig {
             pool: streamrl_sandbox::SandboxConfig::default(),
             max_concurrency: 8,
+            executor: Executor::Local,
+            gateways: GatewaysConfig::default(),
         }
     }
 }
@@ -64,6 +86,9 @@ impl Validate for SandboxConfig {
         if self.max_concurrency == 0 {
             p.push(Invalid::new("max_concurrency", "must be at least 1"));
         }
+        if self.executor == Executor::Gateways {
+            p.extend(self.gateways.problems());
+        }
         p
     }
 }
@@ -74,6 +99,7 @@ pub struct SandboxStage {
     cfg: SandboxConfig,
     envs: Arc<Mix>,
     pool: Option<Arc<Pool>>,
+    fleet: Option<Arc<Fleet>>,
     executed: String,
     continuations: Option<String>,
     instruments: streamrl_runtime::instruments::Instruments,
@@ -102,17 +128,26 @@ impl BuildStage for SandboxStage {
                 tools.join(", ")
             ))]));
         }
-        let pool = if envs.needs_sandbox() {
-            Some(Arc::new(
-                Pool::new(cfg.pool.clone()).map_err(|e| BuildError::setup("sandbox pool", e))?,
-            ))
-        } else {
-            None
+        let (pool, fleet) = match (envs.needs_sandbox(), cfg.executor) {
+            (false, _) => (None, None),
+            (true, Executor::Local) => (
+                Some(Arc::new(
+                    Pool::new(cfg.pool.clone()).map_err(|e| BuildError::setup("sandbox pool", e))?,
+                )),
+                None,
+            ),
+            (true, Executor::Gateways) => (
+                None,
+                Some(Arc::new(
+                    Fleet::new(cfg.gateways.clone()).map_err(|e| BuildError::setup("sandbox gateways", e))?,
+                )),
+            ),
         };
         Ok(SandboxStage {
             cfg,
             envs,
             pool,
+            fleet,
             executed: executed.expect("checked"),
             continuations,
             instruments: ctx.instruments(),
@@ -249,7 +284,8 @@ impl Stage for SandboxStage {
             })?;
             plans.push(plan(env, r));
         }
-        let results = self.execute(&plans).await?;
+        let keys: Vec<&str> = rollouts.iter().map(|r| r.rollout_id.as_str()).collect();
+        let results = self.execute(&plans, &keys).await?;
         let (mut exec_rows, mut cont_rows) = (Vec::new(), Vec::new());
         for ((r, p), res) in rollouts.into_iter().zip(plans).zip(results) {
             match p {
@@ -283,7 +319,7 @@ impl Stage for SandboxStage {
 impl SandboxStage {
     /// Runs every plan that executes something, at most `max_concurrency` at once; each
     /// plan's result (`None`: nothing to run), its duration recorded per status.
-    async fn execute(&self, plans: &[Plan]) -> Result<Vec<Option<ExecResult>>, StageError> {
+    async fn execute(&self, plans: &[Plan], keys: &[&str]) -> Result<Vec<Option<ExecResult>>, StageError> {
         let mut results: Vec<Option<ExecResult>> = vec![None; plans.len()];
         let mut took = vec![Duration::ZERO; plans.len()];
         let sem = Arc::new(tokio::sync::Semaphore::new(self.cfg.max_concurrency));
@@ -293,17 +329,27 @@ impl SandboxStage {
                 Plan::Run(ex) | Plan::Tool(_, ex) => ex.clone(),
                 _ => continue,
             };
+            let permit = sem
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|e| StageError::internal(e.to_string()))?;
+            if let Some(fleet) = self.fleet.clone() {
+                let (key, limits) = (keys[i].to_string(), self.cfg.pool.limits);
+                tasks.spawn(async move {
+                    let started = Instant::now();
+                    let r = fleet.exec(&key, &ex, &limits).await;
+                    drop(permit);
+                    (i, r, started.elapsed())
+                });
+                continue;
+            }
             let Some(pool) = self.pool.clone() else {
                 results[i] = Some(ExecResult::internal_error(
                     "no sandbox pool: no configured environment needs one",
                 ));
                 continue;
             };
-            let permit = sem
-                .clone()
-                .acquire_owned()
-                .await
-                .map_err(|e| StageError::internal(e.to_string()))?;
             tasks.spawn_blocking(move || {
                 let started = Instant::now();
                 let r = run(&pool, &ex);
@@ -326,6 +372,11 @@ impl SandboxStage {
             self.instruments.sandbox_execution(status, *d);
         }
         Ok(results)
+    }
+
+    /// The gateways and what each served (`executor: gateways`), else `None`.
+    pub fn gateways(&self) -> Option<Vec<GatewayStats>> {
+        self.fleet.as_ref().map(|f| f.stats())
     }
 
     /// The trajectory `r` continued by the output of its tool `call`.

@@ -5,6 +5,7 @@
 #![allow(clippy::result_large_err)]
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -29,6 +30,24 @@ pub(super) struct Gateway {
     pub(super) token: String,
     pub(super) sessions: Mutex<HashMap<String, Session>>,
     pub(super) max_sessions: usize,
+    /// Executions running now (one-shot and in sessions), for `/health`.
+    pub(super) in_flight: AtomicUsize,
+}
+
+/// Counts one execution in [`Gateway::in_flight`] while it lives.
+struct Running<'a>(&'a AtomicUsize);
+
+impl<'a> Running<'a> {
+    fn start(n: &'a AtomicUsize) -> Running<'a> {
+        n.fetch_add(1, Ordering::Relaxed);
+        Running(n)
+    }
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 pub(super) type Shared = Arc<Gateway>;
@@ -172,6 +191,7 @@ type Answer = Result<Response, Response>;
 
 pub(super) async fn exec_once(State(g): State<Shared>, body: Bytes) -> Answer {
     let (req, files) = parse_exec(&g.pool.config().limits, &body, true)?;
+    let _running = Running::start(&g.in_flight);
     let pool = g.pool.clone();
     let result = blocking(move || {
         let files: Vec<(&str, &[u8])> = files.iter().map(|(k, v)| (k.as_str(), v.as_bytes())).collect();
@@ -238,6 +258,7 @@ pub(super) async fn delete(State(g): State<Shared>, Path(id): Path<String>) -> R
 pub(super) async fn exec_in(State(g): State<Shared>, Path(id): Path<String>, body: Bytes) -> Answer {
     let sb = session(&g, &id)?;
     let (req, _) = parse_exec(&g.pool.config().limits, &body, false)?;
+    let _running = Running::start(&g.in_flight);
     let result = blocking(move || sb.lock().expect("sandbox lock").exec(&req)).await?;
     Ok(Json(result).into_response())
 }

@@ -12,17 +12,22 @@
 //! | `POST /v1/sandboxes/{id}/exec` | as `/v1/exec` without `files` | the result |
 //! | `PUT /v1/sandboxes/{id}/files/{path}` | raw bytes | `204` |
 //! | `GET /v1/sandboxes/{id}/files/{path}` | – | raw bytes |
-//! | `GET /health` | – | `{status, ready, sessions}` (no token needed) |
+//! | `GET /health` | – | `{status, ready, pool_size, in_flight, sessions}`: warm sandboxes ready, executions running (no token needed) |
 //!
 //! A result is `{status, reason, exit_code, signal, stdout, stderr, wall_ms, cpu_ms,
 //! peak_memory_bytes}`. `limits` may lower any field of the gateway's limits (a higher
 //! value is a 400 naming the field). Errors are `{"error": {"message", "type"}}`.
+//!
+//! SIGTERM or SIGINT drains: the gateway stops accepting connections, answers the
+//! requests it holds, and exits 0. The sandbox stage reaches a fleet of gateways by name
+//! (`executor: gateways`, see `streamrl_stages::gateways`).
 
 mod gateway;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -133,6 +138,7 @@ pub async fn run(cmd: SandboxCmd) -> Result<()> {
         token,
         sessions: Mutex::new(HashMap::new()),
         max_sessions: a.max_sessions,
+        in_flight: AtomicUsize::new(0),
     });
     tokio::spawn(reap_idle(g.clone(), Duration::from_secs(a.session_idle_secs)));
     let v1 = Router::new()
@@ -147,7 +153,13 @@ pub async fn run(cmd: SandboxCmd) -> Result<()> {
         .route(
             "/health",
             get(move || async move {
-                Json(json!({"status": "ok", "ready": health.pool.ready(), "sessions": health.sessions.lock().expect("sessions").len()}))
+                Json(json!({
+                    "status": "ok",
+                    "ready": health.pool.ready(),
+                    "pool_size": health.pool.config().pool_size,
+                    "in_flight": health.in_flight.load(Ordering::Relaxed),
+                    "sessions": health.sessions.lock().expect("sessions").len(),
+                }))
             }),
         )
         .nest("/v1", v1)
