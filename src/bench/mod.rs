@@ -86,6 +86,14 @@ pub enum Which {
         /// concurrency 64 one round's p50 moves with the VM's speed by more than the goal).
         #[arg(long, default_value_t = 5)]
         rounds: usize,
+        /// Executors to compare (comma-separated): `local` alone is the sandbox pool
+        /// against bare fork+exec; with `gateways`, the pool against the sandbox stage's
+        /// gateway client over `--gateways` gateway processes.
+        #[arg(long, value_delimiter = ',', default_value = "local")]
+        executor: Vec<String>,
+        /// Gateway processes per row (comma-separated), with `--executor gateways`.
+        #[arg(long, value_delimiter = ',', default_value = "1,2")]
+        gateways: Vec<usize>,
     },
     /// `streamrl query` (whole processes) vs DuckDB on a run's archive: common queries,
     /// median wall time each, ratio and geometric mean.
@@ -161,7 +169,23 @@ pub async fn run(which: Which) -> Result<()> {
             pool_size,
             python,
             rounds,
-        } => sandbox::run(n, concurrency, pool_size, python, rounds.max(1)),
+            executor,
+            gateways,
+        } => {
+            if let Some(bad) = executor.iter().find(|e| !matches!(e.as_str(), "local" | "gateways")) {
+                anyhow::bail!("--executor {bad}: the executors are `local` and `gateways`");
+            }
+            if executor.iter().any(|e| e == "gateways") {
+                // Off the async context: the gateway client runs on a runtime of its own.
+                std::thread::spawn(move || {
+                    sandbox::executors(n, &concurrency, pool_size, &python, rounds.max(1), &executor, &gateways)
+                })
+                .join()
+                .map_err(|_| anyhow::anyhow!("the sandbox bench panicked"))?
+            } else {
+                sandbox::run(n, concurrency, pool_size, python, rounds.max(1))
+            }
+        }
         Which::Generate { tokens, preset } => generate::generate(tokens, &preset),
         Which::Gpu(a) => gpu::run(a),
         Which::Weights { versions } => weights::run(versions.max(1)),

@@ -213,3 +213,223 @@ pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String, 
     println!("cpu ms: CPU time of the whole machine per exec (from /proc/stat), bench threads included.");
     Ok(())
 }
+
+/// Gateway processes (`streamrl sandbox serve`) for the bench, killed on drop.
+struct Gateways {
+    children: Vec<std::process::Child>,
+    urls: Vec<String>,
+}
+
+impl Drop for Gateways {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+const BENCH_TOKEN: &str = "bench-token-0123456789abcdef";
+
+/// `count` gateways with `pool_size` warm sandboxes each, gateway `i` pinned to core `i`
+/// when `pinned`; returns once every one reports its pool full.
+fn start_gateways(rt: &tokio::runtime::Runtime, count: usize, pool_size: usize, pinned: bool) -> Result<Gateways> {
+    let exe = std::env::current_exe()?;
+    let mut g = Gateways {
+        children: Vec::new(),
+        urls: Vec::new(),
+    };
+    for i in 0..count {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.args(["sandbox", "serve", "--pool-size", &pool_size.to_string()])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .env("STREAMRL_SANDBOX_TOKEN", BENCH_TOKEN)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        if pinned {
+            let mut set = rustix::thread::CpuSet::new();
+            set.set(i);
+            // SAFETY: the closure runs in the child between fork and exec and only makes
+            // the sched_setaffinity(2) system call (async-signal-safe, no allocation).
+            #[allow(unsafe_code)]
+            unsafe {
+                use std::os::unix::process::CommandExt;
+                cmd.pre_exec(move || Ok(rustix::thread::sched_setaffinity(None, &set)?));
+            }
+        }
+        g.children.push(cmd.spawn()?);
+        g.urls.push(format!("http://127.0.0.1:{port}"));
+    }
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + std::time::Duration::from_secs(60);
+    for url in &g.urls {
+        loop {
+            let health = rt.block_on(async {
+                let r = client.get(format!("{url}/health")).send().await.ok()?;
+                serde_json::from_slice::<serde_json::Value>(&r.bytes().await.ok()?).ok()
+            });
+            if health.is_some_and(|h| h["ready"].as_u64() == Some(pool_size as u64)) {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("gateway {url} did not fill its pool of {pool_size} within 60 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+    Ok(g)
+}
+
+/// One row of the gateway table: `n` executions of `argv` at `conc`, the median of
+/// `rounds`, through `gateways` (or the local `pool`).
+fn executor_rounds(
+    rt: &Arc<tokio::runtime::Runtime>,
+    target: Option<&Arc<streamrl_stages::gateways::Fleet>>,
+    pool: &Arc<Pool>,
+    argv: &[String],
+    n: usize,
+    conc: usize,
+    rounds: usize,
+) -> Result<Run> {
+    let mut runs = Vec::new();
+    for _ in 0..rounds {
+        let f: Arc<dyn Fn() -> Result<()> + Send + Sync> = match target {
+            Some(fleet) => {
+                let (rt, fleet) = (rt.clone(), fleet.clone());
+                let ex = streamrl_envs::Execution {
+                    files: Vec::new(),
+                    argv: argv.to_vec(),
+                    wall_ms: None,
+                    report_marker: None,
+                };
+                let limits = pool.config().limits;
+                Arc::new(move || {
+                    let r = rt.block_on(fleet.exec("bench", &ex, &limits));
+                    if r.status != ExecStatus::Ok || r.stdout != "1\n" {
+                        bail!("through the gateways: {r:?}");
+                    }
+                    Ok(())
+                })
+            }
+            None => {
+                while pool.ready() < pool.config().pool_size {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                let (p, a) = (pool.clone(), argv.to_vec());
+                Arc::new(move || {
+                    let r = p.exec(&ExecRequest::new(a.clone()));
+                    if r.status != ExecStatus::Ok {
+                        bail!("sandboxed run: {r:?}");
+                    }
+                    Ok(())
+                })
+            }
+        };
+        runs.push(measure(n, conc, f)?);
+    }
+    Ok(median_run(&runs))
+}
+
+/// The executors' table: the local pool against the sandbox stage's gateway client
+/// ([`streamrl_stages::gateways::Fleet`]) over 1..N gateway processes, unpinned (the
+/// overhead row, same cores as the local pool) and pinned one core each (the scaling
+/// rows). Runs off any async context (it blocks on a runtime of its own).
+pub fn executors(
+    n: usize,
+    concurrency: &[usize],
+    pool_size: usize,
+    python: &str,
+    rounds: usize,
+    executors: &[String],
+    gateways: &[usize],
+) -> Result<()> {
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let rt = Arc::new(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?,
+    );
+    let pool = Arc::new(Pool::new(SandboxConfig {
+        pool_size,
+        ..SandboxConfig::default()
+    })?);
+    let argv = vec![python.to_string(), "-c".to_string(), "print(1)".to_string()];
+    let dir = tempfile::tempdir()?;
+    let token = dir.path().join("token");
+    std::fs::write(&token, BENCH_TOKEN)?;
+    println!(
+        "streamrl bench sandbox --executor {}: `{python} -c \"print(1)\"`, {n} execs recorded per round, median of {rounds} rounds; {pool_size} warm sandboxes per pool or gateway; {cores} cores",
+        executors.join(",")
+    );
+    println!(
+        "{:<9} {:>8} {:>7} {:>12} {:>9} {:>9} {:>9} {:>10}",
+        "executor", "gateways", "pinned", "concurrency", "p50 ms", "p99 ms", "exec/s", "p50 +ms"
+    );
+    let mut local_p50 = std::collections::HashMap::new();
+    let mut pinned_rate: std::collections::HashMap<(usize, usize), f64> = std::collections::HashMap::new();
+    let row = |name: &str, g: &str, pinned: &str, conc: usize, r: &Run, plus: Option<f64>| {
+        println!(
+            "{name:<9} {g:>8} {pinned:>7} {conc:>12} {:>9.2} {:>9.2} {:>9.1} {:>10}",
+            r.p50,
+            r.p99,
+            r.per_sec,
+            plus.map_or("–".to_string(), |p| format!("{p:+.2}"))
+        );
+    };
+    if executors.iter().any(|e| e == "local") {
+        for &conc in concurrency {
+            let r = executor_rounds(&rt, None, &pool, &argv, n, conc, rounds)?;
+            local_p50.insert(conc, r.p50);
+            row("local", "–", "–", conc, &r, None);
+        }
+    }
+    if executors.iter().any(|e| e == "gateways") {
+        let mut configs: Vec<(usize, bool)> = gateways.iter().map(|&g| (g, false)).collect();
+        configs.extend(gateways.iter().filter(|&&g| g <= cores).map(|&g| (g, true)));
+        for (count, pinned) in configs {
+            let fleet_procs = start_gateways(&rt, count, pool_size, pinned)?;
+            let cfg = streamrl_stages::gateways::GatewaysConfig {
+                endpoints: fleet_procs.urls.clone(),
+                token_file: Some(token.clone()),
+                per_gateway: concurrency.iter().copied().max().unwrap_or(1),
+                ..Default::default()
+            };
+            let fleet = Arc::new(
+                rt.block_on(async { streamrl_stages::gateways::Fleet::new(cfg) })
+                    .map_err(anyhow::Error::msg)?,
+            );
+            for &conc in concurrency {
+                let r = executor_rounds(&rt, Some(&fleet), &pool, &argv, n, conc, rounds)?;
+                let plus = (!pinned).then(|| local_p50.get(&conc).map(|l| r.p50 - l)).flatten();
+                if pinned {
+                    pinned_rate.insert((count, conc), r.per_sec);
+                }
+                row(
+                    "gateways",
+                    &count.to_string(),
+                    if pinned { "yes" } else { "no" },
+                    conc,
+                    &r,
+                    plus,
+                );
+            }
+            drop(fleet_procs);
+        }
+    }
+    println!();
+    println!("p50 +ms: the row's p50 minus the local pool's at the same concurrency (same cores: unpinned).");
+    println!("pinned: gateway i runs on core i alone (sched_setaffinity), its sandboxes too.");
+    if let Some(&max) = gateways.iter().filter(|&&g| g <= cores && g > 1).max() {
+        for &conc in concurrency {
+            if let (Some(one), Some(many)) = (pinned_rate.get(&(1, conc)), pinned_rate.get(&(max, conc))) {
+                println!(
+                    "scaling at concurrency {conc}: {max} pinned gateways / 1 pinned gateway = {:.2}× exec/s",
+                    many / one
+                );
+            }
+        }
+    }
+    Ok(())
+}
