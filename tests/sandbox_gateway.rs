@@ -230,6 +230,11 @@ fn code_row(problem: &streamrl_envs::Problem, completion: &str, i: u32) -> strea
 
 /// A gateway process on `port` with a pool of 2.
 fn gateway(port: u16) -> common::Server {
+    gateway_on("127.0.0.1", port)
+}
+
+/// A gateway process on `ip`:`port` with a pool of 2.
+fn gateway_on(ip: &str, port: u16) -> common::Server {
     let server = common::Server(
         Command::new(env!("CARGO_BIN_EXE_streamrl"))
             .args([
@@ -238,7 +243,7 @@ fn gateway(port: u16) -> common::Server {
                 "--pool-size",
                 "2",
                 "--listen",
-                &format!("127.0.0.1:{port}"),
+                &format!("{ip}:{port}"),
             ])
             .env("STREAMRL_SANDBOX_TOKEN", TOKEN)
             .stdout(Stdio::null())
@@ -246,7 +251,14 @@ fn gateway(port: u16) -> common::Server {
             .spawn()
             .unwrap(),
     );
-    common::wait_listening(port, "a gateway", Duration::from_secs(30));
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect((ip, port)).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no gateway listening on {ip}:{port}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     server
 }
 
@@ -373,4 +385,162 @@ async fn the_sandbox_stage_runs_on_a_gateway_fleet_and_rides_out_a_killed_gatewa
         first.failed >= 1,
         "the killed gateway's requests failed over: {stats:?}"
     );
+}
+
+/// `dns://NAME:PORT` is every address the name resolves to, through the system resolver,
+/// re-resolved as it goes: three gateways listen on 127.0.0.2, .3 and .4 (one port), and
+/// the name `gateways.streamrl.test` lives in an `/etc/hosts` of the test's own (bind-
+/// mounted over the real one in a user + mount namespace, as a cluster's DNS would answer).
+/// While it names .2 and .3, executions spread over both; once it names .3 and .4, the
+/// address that left gets no more work and the new one does.
+#[test]
+fn a_dns_name_spreads_executions_over_its_addresses_and_follows_changes() {
+    let port = common::free_port();
+    let _gateways: Vec<_> = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+        .iter()
+        .map(|ip| gateway_on(ip, port))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = dir.path().join("hosts");
+    let name = "gateways.streamrl.test";
+    std::fs::write(
+        &hosts,
+        format!("127.0.0.1 localhost\n127.0.0.2 {name}\n127.0.0.3 {name}\n"),
+    )
+    .unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, TOKEN).unwrap();
+    // This test binary again, running only the fleet below, inside the namespace.
+    let script = r#"mount --bind "$HOSTS_FILE" /etc/hosts && exec "$0" --exact fleet_inside_a_namespace --ignored --nocapture --test-threads 1"#;
+    let mut inner = Command::new("unshare")
+        .args(["--user", "--map-root-user", "--mount", "sh", "-c", script])
+        .arg(std::env::current_exe().unwrap())
+        .env("HOSTS_FILE", &hosts)
+        .env("STREAMRL_TEST_GATEWAYS", format!("dns://{name}:{port}"))
+        .env("STREAMRL_TEST_TOKEN_FILE", &token)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("unshare (util-linux) runs the fleet in a mount namespace");
+    use std::io::{BufRead, Write};
+    let mut lines = std::io::BufReader::new(inner.stdout.take().unwrap()).lines();
+    let mut phase = |tag: &str| -> Value {
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            // libtest's `test NAME ... ` may open the line.
+            if let Some(at) = line.find(tag) {
+                return json_of(line[at + tag.len()..].trim().as_bytes());
+            }
+        }
+        panic!("the fleet inside the namespace ended before {tag}");
+    };
+    let served = |stats: &Value, ip: &str| -> u64 {
+        stats
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["url"].as_str().unwrap().contains(&format!("//{ip}:")))
+            .map_or(0, |g| g["served"].as_u64().unwrap())
+    };
+    let first = phase("FIRST");
+    assert!(
+        served(&first, "127.0.0.2") > 0 && served(&first, "127.0.0.3") > 0,
+        "{first}"
+    );
+    assert_eq!(served(&first, "127.0.0.4"), 0, "{first}");
+    // The name now gives .3 and .4 (written in place: the bind mount follows the inode).
+    std::fs::write(
+        &hosts,
+        format!("127.0.0.1 localhost\n127.0.0.3 {name}\n127.0.0.4 {name}\n"),
+    )
+    .unwrap();
+    writeln!(inner.stdin.as_mut().unwrap(), "go").unwrap();
+    let second = phase("SECOND");
+    eprintln!("name gave .2 and .3: {first}\nthen .3 and .4: {second}");
+    assert_eq!(
+        served(&second, "127.0.0.2"),
+        0,
+        "the address that left the name got work: {second}"
+    );
+    assert!(served(&second, "127.0.0.3") > served(&first, "127.0.0.3"), "{second}");
+    assert!(
+        served(&second, "127.0.0.4") > 0,
+        "the address that joined the name got no work: {second}"
+    );
+    assert!(inner.wait().unwrap().success());
+}
+
+/// The fleet side of the test above, run by it inside the namespace (ignored alone: it
+/// needs the gateways and the hosts file that test sets up). 16 executions, the stats as
+/// `FIRST …`; then, once stdin says `go`, 16 more and `SECOND …`.
+#[test]
+#[ignore = "run by a_dns_name_spreads_executions_over_its_addresses_and_follows_changes"]
+fn fleet_inside_a_namespace() {
+    use streamrl_stages::gateways::{Fleet, GatewaysConfig};
+    let fleet = Fleet::new(GatewaysConfig {
+        endpoints: vec![std::env::var("STREAMRL_TEST_GATEWAYS").unwrap()],
+        token_file: Some(std::env::var("STREAMRL_TEST_TOKEN_FILE").unwrap().into()),
+        per_gateway: 2,
+        resolve_every_secs: 0.2,
+        ..Default::default()
+    })
+    .unwrap();
+    let ex = streamrl_envs::Execution {
+        files: vec![],
+        argv: vec![
+            "python3".into(),
+            "-c".into(),
+            "import time; time.sleep(0.05); print(1)".into(),
+        ],
+        wall_ms: None,
+        report_marker: None,
+    };
+    let limits = streamrl_sandbox::Limits::default();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let batch = || {
+        rt.block_on(futures::future::join_all(
+            (0..16).map(|_| fleet.exec("dns-test", &ex, &limits)),
+        ))
+        .into_iter()
+        .for_each(|r| assert_eq!(r.stdout, "1\n", "{r:?}"))
+    };
+    batch();
+    println!("FIRST {}", serde_json::to_string(&fleet.stats()).unwrap());
+    let mut go = String::new();
+    std::io::stdin().read_line(&mut go).unwrap();
+    std::thread::sleep(Duration::from_millis(400));
+    batch();
+    println!("SECOND {}", serde_json::to_string(&fleet.stats()).unwrap());
+}
+
+/// SIGTERM drains a gateway: the execution it holds when the signal comes is answered, it
+/// then exits 0, and nothing listens on its port any more.
+#[test]
+fn sigterm_drains_a_gateway() {
+    let port = common::free_port();
+    let mut g = gateway(port);
+    let long = json!({"argv": ["python3", "-c", "import time; time.sleep(1); print(7)"]}).to_string();
+    let held = std::thread::spawn(move || http(port, "POST", "/v1/exec", Some(TOKEN), long.as_bytes()));
+    std::thread::sleep(Duration::from_millis(400));
+    rustix::process::kill_process(rustix::process::Pid::from_child(&g.0), rustix::process::Signal::TERM).unwrap();
+    let (st, body) = held.join().unwrap();
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(json_of(&body)["stdout"], "7\n");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = g.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the gateway did not exit within 10 s of SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}");
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err());
 }
