@@ -194,6 +194,26 @@ fn the_gateway_runs_commands_and_sessions_behind_a_token() {
     assert_eq!(st, 204);
     let (st, _) = http(port, "POST", &format!("/v1/sandboxes/{id}/exec"), t, run.as_bytes());
     assert_eq!(st, 404);
+
+    // Capacity and metrics, without the token.
+    let h = json_of(&http(port, "GET", "/health", None, b"").1);
+    assert_eq!(
+        (h["pool_size"].as_u64(), h["in_flight"].as_u64(), h["sessions"].as_u64()),
+        (Some(2), Some(0), Some(0)),
+        "{h}"
+    );
+    let (st, body) = http(port, "GET", "/metrics", None, b"");
+    let text = String::from_utf8_lossy(&body);
+    assert_eq!(st, 200, "{text}");
+    for line in [
+        "streamrl_gateway_in_flight 0",
+        "streamrl_gateway_pool_size 2",
+        "streamrl_gateway_sessions 0",
+        "streamrl_gateway_executions_total{status=\"ok\"}",
+        "streamrl_gateway_execution_seconds_total{status=\"ok\"}",
+    ] {
+        assert!(text.contains(line), "{line} missing in\n{text}");
+    }
 }
 
 /// A `code` rollout of sample `i` answering `problem` with `completion`.

@@ -32,6 +32,64 @@ pub(super) struct Gateway {
     pub(super) max_sessions: usize,
     /// Executions running now (one-shot and in sessions), for `/health`.
     pub(super) in_flight: AtomicUsize,
+    /// Executions ended, by status: (count, seconds in all), for `/metrics`.
+    pub(super) ended: Mutex<BTreeMap<&'static str, (u64, f64)>>,
+}
+
+impl Gateway {
+    /// Counts an execution that ended with `status` after `secs`.
+    fn record(&self, status: &'static str, secs: f64) {
+        let mut e = self.ended.lock().expect("metrics");
+        let slot = e.entry(status).or_insert((0, 0.0));
+        slot.0 += 1;
+        slot.1 += secs;
+    }
+
+    /// The gateway's metrics in the Prometheus text format.
+    pub(super) fn prometheus(&self) -> String {
+        let mut out = String::new();
+        let gauge = |out: &mut String, name: &str, help: &str, v: usize| {
+            out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}\n"));
+        };
+        gauge(
+            &mut out,
+            "streamrl_gateway_in_flight",
+            "Executions running now.",
+            self.in_flight.load(Ordering::Relaxed),
+        );
+        gauge(
+            &mut out,
+            "streamrl_gateway_ready_sandboxes",
+            "Warm sandboxes ready.",
+            self.pool.ready(),
+        );
+        gauge(
+            &mut out,
+            "streamrl_gateway_pool_size",
+            "Warm sandboxes the pool keeps.",
+            self.pool.config().pool_size,
+        );
+        gauge(
+            &mut out,
+            "streamrl_gateway_sessions",
+            "Open sessions.",
+            self.sessions.lock().expect("sessions").len(),
+        );
+        let ended = self.ended.lock().expect("metrics");
+        out.push_str("# HELP streamrl_gateway_executions_total Executions ended, by status.\n# TYPE streamrl_gateway_executions_total counter\n");
+        for (status, (n, _)) in ended.iter() {
+            out.push_str(&format!(
+                "streamrl_gateway_executions_total{{status=\"{status}\"}} {n}\n"
+            ));
+        }
+        out.push_str("# HELP streamrl_gateway_execution_seconds_total Seconds executions took, by status.\n# TYPE streamrl_gateway_execution_seconds_total counter\n");
+        for (status, (_, secs)) in ended.iter() {
+            out.push_str(&format!(
+                "streamrl_gateway_execution_seconds_total{{status=\"{status}\"}} {secs}\n"
+            ));
+        }
+        out
+    }
 }
 
 /// Counts one execution in [`Gateway::in_flight`] while it lives.
@@ -193,11 +251,13 @@ pub(super) async fn exec_once(State(g): State<Shared>, body: Bytes) -> Answer {
     let (req, files) = parse_exec(&g.pool.config().limits, &body, true)?;
     let _running = Running::start(&g.in_flight);
     let pool = g.pool.clone();
+    let started = Instant::now();
     let result = blocking(move || {
         let files: Vec<(&str, &[u8])> = files.iter().map(|(k, v)| (k.as_str(), v.as_bytes())).collect();
         pool.exec_with_files(&files, &req)
     })
     .await?;
+    g.record(result.status.as_str(), started.elapsed().as_secs_f64());
     Ok(Json(result).into_response())
 }
 
@@ -259,7 +319,9 @@ pub(super) async fn exec_in(State(g): State<Shared>, Path(id): Path<String>, bod
     let sb = session(&g, &id)?;
     let (req, _) = parse_exec(&g.pool.config().limits, &body, false)?;
     let _running = Running::start(&g.in_flight);
+    let started = Instant::now();
     let result = blocking(move || sb.lock().expect("sandbox lock").exec(&req)).await?;
+    g.record(result.status.as_str(), started.elapsed().as_secs_f64());
     Ok(Json(result).into_response())
 }
 

@@ -13,6 +13,7 @@
 //! | `PUT /v1/sandboxes/{id}/files/{path}` | raw bytes | `204` |
 //! | `GET /v1/sandboxes/{id}/files/{path}` | – | raw bytes |
 //! | `GET /health` | – | `{status, ready, pool_size, in_flight, sessions}`: warm sandboxes ready, executions running (no token needed) |
+//! | `GET /metrics` | – | Prometheus text: in flight, ready, pool size, sessions, executions and their seconds by status (no token needed) |
 //!
 //! A result is `{status, reason, exit_code, signal, stdout, stderr, wall_ms, cpu_ms,
 //! peak_memory_bytes}`. `limits` may lower any field of the gateway's limits (a higher
@@ -139,6 +140,7 @@ pub async fn run(cmd: SandboxCmd) -> Result<()> {
         sessions: Mutex::new(HashMap::new()),
         max_sessions: a.max_sessions,
         in_flight: AtomicUsize::new(0),
+        ended: Mutex::new(Default::default()),
     });
     tokio::spawn(reap_idle(g.clone(), Duration::from_secs(a.session_idle_secs)));
     let v1 = Router::new()
@@ -160,6 +162,18 @@ pub async fn run(cmd: SandboxCmd) -> Result<()> {
                     "in_flight": health.in_flight.load(Ordering::Relaxed),
                     "sessions": health.sessions.lock().expect("sessions").len(),
                 }))
+            }),
+        )
+        .route(
+            "/metrics",
+            get({
+                let g = g.clone();
+                move || async move {
+                    (
+                        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                        g.prometheus(),
+                    )
+                }
             }),
         )
         .nest("/v1", v1)
