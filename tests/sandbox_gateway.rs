@@ -564,3 +564,70 @@ fn sigterm_drains_a_gateway() {
     assert!(status.success(), "{status:?}");
     assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err());
 }
+
+/// Escapes tried through the sandbox stage's gateway client (`executor: gateways`), as
+/// `sandbox/tests/escape.rs` tries them on the pool itself: host files, a TCP listener on
+/// the host, writing outside `/work`, `kill -9 -1`, a fork bomb, an endless loop. Each is
+/// contained with a clear status, and the gateway still serves afterwards.
+#[test]
+fn escapes_through_the_gateway_executor_are_contained() {
+    use streamrl_sandbox::{ExecStatus, Limits};
+    use streamrl_stages::gateways::{Fleet, GatewaysConfig};
+    let port = common::free_port();
+    let _g = gateway(port);
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, TOKEN).unwrap();
+    let fleet = Fleet::new(GatewaysConfig {
+        endpoints: vec![format!("http://127.0.0.1:{port}")],
+        token_file: Some(token),
+        ..Default::default()
+    })
+    .unwrap();
+    let host = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    host.set_nonblocking(true).unwrap();
+    let host_port = host.local_addr().unwrap().port();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let limits = Limits {
+        wall_ms: 3000,
+        ..Limits::default()
+    };
+    let run = |src: &str| {
+        let ex = streamrl_envs::Execution {
+            files: vec![("main.py".into(), src.into())],
+            argv: vec!["python3".into(), "main.py".into()],
+            wall_ms: None,
+            report_marker: None,
+        };
+        rt.block_on(fleet.exec("escape", &ex, &limits))
+    };
+    let r = run(
+        "import os\nfor p in ['/etc/shadow', '/root/.bashrc', '/proc/1/environ']:\n    try:\n        print(p, 'READ', open(p).read()[:20])\n    except OSError as e:\n        print(p, 'DENIED')\n",
+    );
+    assert_eq!(r.stdout.matches(" DENIED").count(), 3, "{r:?}");
+    let r = run(&format!(
+        "import socket\ntry:\n    socket.create_connection(('127.0.0.1', {host_port}), timeout=2)\n    print('CONNECTED')\nexcept OSError:\n    print('DENIED')\n"
+    ));
+    assert_eq!(r.stdout, "DENIED\n", "{r:?}");
+    assert!(
+        host.accept().is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock),
+        "the host's listener saw a connection"
+    );
+    let r = run(
+        "for p in ['/usr/x', '/etc/x', '/x']:\n    try:\n        open(p, 'w').write('x')\n        print(p, 'WROTE')\n    except OSError:\n        print(p, 'DENIED')\n",
+    );
+    assert_eq!(r.stdout.matches(" DENIED").count(), 3, "{r:?}");
+    let r = run("import os, signal\nos.kill(-1, signal.SIGKILL)\n");
+    assert!(r.status != ExecStatus::InternalError, "{r:?}");
+    let r = run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n");
+    assert!(matches!(r.status, ExecStatus::Timeout | ExecStatus::Killed), "{r:?}");
+    let r = run("while True:\n    pass\n");
+    assert_eq!(r.status, ExecStatus::Timeout, "{r:?}");
+    assert!(r.reason.contains("3000 ms"), "{r:?}");
+    // Still serving.
+    let r = run("print(6 * 7)");
+    assert_eq!((r.status, r.stdout.as_str()), (ExecStatus::Ok, "42\n"), "{r:?}");
+}
