@@ -123,24 +123,25 @@ fn alternating_rounds(
                 Ok(())
             }),
         )?);
-        // Let the pool refill before the sandbox half.
-        while pool.ready() < pool.config().pool_size {
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        let (p, a) = (pool.clone(), argv.to_vec());
-        sbx_runs.push(measure(
-            n,
-            conc,
-            Arc::new(move || {
-                let r = p.exec(&ExecRequest::new(a.clone()));
-                if r.status != ExecStatus::Ok {
-                    bail!("sandboxed run: {r:?}");
-                }
-                Ok(())
-            }),
-        )?);
+        sbx_runs.push(measure(n, conc, pool_call(pool, argv))?);
     }
     Ok((bare_runs, sbx_runs))
+}
+
+/// One call of `argv` in the sandbox `pool`, for [`measure`]; waits for the pool to
+/// refill first, so a round starts with every sandbox warm.
+fn pool_call(pool: &Arc<Pool>, argv: &[String]) -> Arc<dyn Fn() -> Result<()> + Send + Sync> {
+    while pool.ready() < pool.config().pool_size {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let (p, a) = (pool.clone(), argv.to_vec());
+    Arc::new(move || {
+        let r = p.exec(&ExecRequest::new(a.clone()));
+        if r.status != ExecStatus::Ok {
+            bail!("sandboxed run: {r:?}");
+        }
+        Ok(())
+    })
 }
 
 pub fn run(n: usize, concurrency: Vec<usize>, pool_size: usize, python: String, rounds: usize) -> Result<()> {
@@ -312,19 +313,7 @@ fn executor_rounds(
                     Ok(())
                 })
             }
-            None => {
-                while pool.ready() < pool.config().pool_size {
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                }
-                let (p, a) = (pool.clone(), argv.to_vec());
-                Arc::new(move || {
-                    let r = p.exec(&ExecRequest::new(a.clone()));
-                    if r.status != ExecStatus::Ok {
-                        bail!("sandboxed run: {r:?}");
-                    }
-                    Ok(())
-                })
-            }
+            None => pool_call(pool, argv),
         };
         runs.push(measure(n, conc, f)?);
     }

@@ -198,8 +198,6 @@ struct Gateway {
 struct State {
     gateways: Vec<Gateway>,
     resolved_at: Option<Instant>,
-    /// Why the last resolution found nothing, for the error of a stage with no gateway.
-    last_problem: Option<String>,
 }
 
 /// The fleet of gateways: resolution, routing, retries.
@@ -310,12 +308,13 @@ impl Fleet {
         }
         urls.sort();
         urls.dedup();
+        if !problems.is_empty() {
+            tracing::warn!(problems = %problems.join("; "), "gateway endpoints did not resolve");
+        }
         let mut st = self.state.lock().expect("fleet state");
         st.resolved_at = Some(Instant::now());
-        st.last_problem = (!problems.is_empty()).then(|| problems.join("; "));
         if urls.is_empty() && st.gateways.iter().any(|g| g.listed) {
             // A failed lookup is not a fleet that vanished: keep what was known.
-            tracing::warn!(problems = ?st.last_problem, "no gateway resolved; keeping the last known");
             return;
         }
         for g in &mut st.gateways {
