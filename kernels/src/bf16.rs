@@ -11,10 +11,16 @@
 //! whatever rows share its call (tested on every path).
 //!
 //! Where oneDNN is looked for, first found wins: the file `STREAMRL_ONEDNN` names (or
-//! `libdnnl.so.2` in the directory it names); the system's `libdnnl.so.2` (Debian's
-//! `libdnnl2`); `libdnnl.so.2` under `$STREAMRL_TOOLS_DIR/onednn` or
-//! `target/test-tools/onednn`, where `scripts/onednn.sh` unpacks Debian's package without
-//! root. oneDNN 2.x only (its C API changed in 3.0).
+//! `libdnnl.so.3` in the directory it names); the system's `libdnnl.so.3`;
+//! `libdnnl.so.3` under `$STREAMRL_TOOLS_DIR/onednn` or `target/test-tools/onednn`,
+//! where `scripts/onednn.sh` unpacks Intel's `onednn-cpu-gomp` wheel (oneDNN 3.2 on GNU
+//! OpenMP, from PyPI) without root. oneDNN 3.x only: its C API is not 2.x's, and its
+//! matmul kernels on AMX run the model's large products about twice as fast as 2.6's.
+//!
+//! oneDNN's fast kernels take dense matrices only (a view whose rows are further apart
+//! than its columns, or a strided destination, runs on a generic kernel at a tenth of
+//! the speed): [`Products::convert_blocks`] lays each head of an activation out densely,
+//! once for all the products that read it.
 //!
 //! Inputs are rounded to bf16 (round to nearest even) as they are read; products sum in
 //! f32. So a bf16 product equals, up to the order of f32 additions, the f32 product of the
@@ -102,6 +108,89 @@ impl Products {
         }
     }
 
+    /// [`Products::gemm`] of operands that may have been converted beforehand
+    /// ([`Products::convert`]): the same product, the same bits, without converting a
+    /// matrix again for every product that reads it.
+    pub fn gemm_op(self, dst: ViewMut<'_>, a: Operand<'_>, b: Operand<'_>, accumulate: bool, scale: f32) {
+        match (self, a, b) {
+            (Products::F32, Operand::F32(a), Operand::F32(b)) => gemm_f32(dst, a, b, accumulate, scale, 1),
+            (Products::F32, ..) => panic!("f32 products of bf16 operands: convert with Products::F32, which keeps f32"),
+            (Products::Bf16, a, b) => product(dst, a, Rhs::Op(b), accumulate, scale, 1),
+        }
+    }
+
+    /// [`Products::gemm_op`] into a new `(a.rows, b.cols)` matrix.
+    pub fn gemm_op_new(self, a: Operand<'_>, b: Operand<'_>, scale: f32) -> Vec<f32> {
+        let (m, n) = (a.rows(), b.cols());
+        let mut y = vec![0f32; m * n];
+        self.gemm_op(ViewMut::rows(&mut y, m, n), a, b, false, scale);
+        y
+    }
+
+    /// `v` as several products of this number type read it: converted to bf16 once where
+    /// they run on oneDNN, the f32 values as they are otherwise (f32 products, the f32
+    /// fallback). Its [`Converted::of`] gives the operand of `v` or of a part of it.
+    pub fn convert(self, v: View<'_>) -> Converted<'_> {
+        let mut order = Order::Rows;
+        let bits = self.converts().then(|| {
+            let mut buf = Vec::new();
+            order = convert(v, &mut buf);
+            buf
+        });
+        Converted {
+            src: v,
+            bits,
+            order,
+            width: v.cols,
+        }
+    }
+
+    /// [`Products::convert`] of a matrix whose columns fall in blocks of `width` (the
+    /// heads of a `(tokens, heads, hd)` activation), each block stored apart, dense: so
+    /// that every head's rows are a dense matrix of their own (oneDNN's fast kernels take
+    /// dense matrices only; a head read in place, its rows `heads · hd` apart, ran on a
+    /// generic kernel at a tenth of the speed).
+    ///
+    /// # Panics
+    /// When `width` does not divide the columns or the view's columns are not adjacent.
+    pub fn convert_blocks(self, v: View<'_>, width: usize) -> Converted<'_> {
+        assert!(
+            width > 0 && v.cols.is_multiple_of(width) && (v.cs == 1 || v.cols <= 1),
+            "convert_blocks: ({}×{}) columns {} apart in blocks of {width}",
+            v.rows,
+            v.cols,
+            v.cs
+        );
+        let bits = self.converts().then(|| {
+            let (rows, blocks) = (v.rows, v.cols / width);
+            let mut buf = vec![0u16; rows * v.cols];
+            cpu::vectorized(
+                #[inline(always)]
+                || {
+                    for (g, block) in buf.chunks_exact_mut((rows * width).max(1)).take(blocks).enumerate() {
+                        for (r, dst) in block.chunks_exact_mut(width).enumerate() {
+                            for (d, &x) in dst.iter_mut().zip(&v.data[r * v.rs + g * width..][..width]) {
+                                *d = round(x);
+                            }
+                        }
+                    }
+                },
+            );
+            buf
+        });
+        Converted {
+            src: v,
+            bits,
+            order: Order::Rows,
+            width,
+        }
+    }
+
+    /// Whether [`Products::convert`] converts (bf16 products on oneDNN).
+    fn converts(self) -> bool {
+        self == Products::Bf16 && backend().bf16_lib().is_some()
+    }
+
     /// [`Products::gemm`] into a new `(a.rows, b.cols)` matrix.
     pub fn gemm_new(self, a: View<'_>, b: View<'_>, scale: f32) -> Vec<f32> {
         let mut y = vec![0f32; a.rows * b.cols];
@@ -182,6 +271,164 @@ pub fn round_in_place(x: &mut [f32]) {
     }
 }
 
+/// A product's operand: f32 values, rounded to bf16 as the product reads them, or bf16
+/// bits converted beforehand ([`Products::convert`]).
+#[derive(Debug, Clone, Copy)]
+pub enum Operand<'a> {
+    /// Converted by the product that reads it.
+    F32(View<'a>),
+    /// Converted beforehand.
+    Bf16(Bits<'a>),
+}
+
+impl Operand<'_> {
+    /// Rows of the matrix.
+    pub fn rows(&self) -> usize {
+        match self {
+            Operand::F32(v) => v.rows,
+            Operand::Bf16(b) => b.rows,
+        }
+    }
+
+    /// Columns of the matrix.
+    pub fn cols(&self) -> usize {
+        match self {
+            Operand::F32(v) => v.cols,
+            Operand::Bf16(b) => b.cols,
+        }
+    }
+
+    /// The transpose (no copy).
+    pub fn t(self) -> Self {
+        match self {
+            Operand::F32(v) => Operand::F32(v.t()),
+            Operand::Bf16(b) => Operand::Bf16(Bits {
+                rows: b.cols,
+                cols: b.rows,
+                rs: b.cs,
+                cs: b.rs,
+                ..b
+            }),
+        }
+    }
+}
+
+/// A strided matrix of bf16 bits: element `(r, c)` is `data[r * rs + c * cs]`, as
+/// [`View`]'s.
+#[derive(Debug, Clone, Copy)]
+pub struct Bits<'a> {
+    data: &'a [u16],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+/// A matrix converted once for the products that read it or parts of it
+/// ([`Products::convert`]).
+#[derive(Debug)]
+pub struct Converted<'a> {
+    /// The f32 matrix.
+    src: View<'a>,
+    /// Its bf16 bits, dense in `order`, or (`width` below the columns) row-major blocks
+    /// of `width` columns one after another; `None` where products read f32.
+    bits: Option<Vec<u16>>,
+    order: Order,
+    width: usize,
+}
+
+impl<'a> Converted<'a> {
+    /// The operand of `v`, a view of the converted matrix or of a part of it (its rows
+    /// and columns one or a whole row of the matrix apart, as those of a head's block of a
+    /// `(tokens, heads, hd)` activation or its transpose).
+    ///
+    /// # Panics
+    /// When `v` lies outside the converted matrix or steps through it otherwise.
+    pub fn of<'b>(&'b self, v: View<'b>) -> Operand<'b> {
+        let Some(bits) = &self.bits else {
+            return Operand::F32(v);
+        };
+        assert!(
+            self.order == Order::Rows && self.src.cs == 1,
+            "converted matrix: parts of a matrix converted by columns"
+        );
+        let (rs, rows, width) = (self.src.rs.max(1), self.src.rows, self.width.max(1));
+        let base = self.src.data.as_ptr() as usize;
+        let ptr = v.data.as_ptr() as usize;
+        let at = ptr.wrapping_sub(base) / size_of::<f32>();
+        let (r, c) = (at / rs, at % rs);
+        let (g, c) = (c / width, c % width);
+        // Each axis steps along the matrix's rows (1) or down its columns (`rs`).
+        let (mut last_r, mut last_c) = (r, c);
+        let mut map = |stride: usize, len: usize| {
+            if len <= 1 {
+                0
+            } else if stride == 1 {
+                last_c += len - 1;
+                1
+            } else if stride == rs {
+                last_r += len - 1;
+                width
+            } else {
+                panic!("converted matrix: a view stepping {stride} elements where its rows are {rs} apart")
+            }
+        };
+        let (brs, bcs) = (map(v.rs, v.rows), map(v.cs, v.cols));
+        let empty = v.rows == 0 || v.cols == 0;
+        assert!(
+            empty || (ptr >= base && last_r < rows && last_c < width && g * width < self.src.cols),
+            "converted matrix ({rows}×{} in blocks of {width}): a ({}×{}) view at element {at} reaches past its block",
+            self.src.cols,
+            v.rows,
+            v.cols
+        );
+        let b = Bits {
+            data: if empty {
+                &[]
+            } else {
+                &bits[g * rows * width + r * width + c..]
+            },
+            rows: v.rows,
+            cols: v.cols,
+            rs: brs,
+            cs: bcs,
+        };
+        Operand::Bf16(b)
+    }
+
+    /// The whole matrix as an operand.
+    ///
+    /// # Panics
+    /// For a matrix converted in blocks ([`Products::convert_blocks`]).
+    pub fn all(&self) -> Operand<'_> {
+        let Some(bits) = &self.bits else {
+            return Operand::F32(self.src);
+        };
+        let (rows, cols) = (self.src.rows, self.src.cols);
+        assert!(
+            self.width == cols,
+            "converted matrix: the whole of a matrix converted in blocks"
+        );
+        let [rs, cs] = strides(self.order, rows, cols);
+        Operand::Bf16(Bits {
+            data: bits,
+            rows,
+            cols,
+            rs,
+            cs,
+        })
+    }
+}
+
+/// The last element a `(rows, cols)` view with these strides touches, plus one.
+fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * rs + (cols - 1) * cs + 1
+    }
+}
+
 /// `dst = scale · a @ b`, or `dst += scale · a @ b` when `accumulate`, with `a` and `b`
 /// rounded to bf16 and the products summed in f32, on the units [`path`] names (in f32 on
 /// the fallback). Shapes and strides as [`cpu::gemm`]'s.
@@ -190,7 +437,7 @@ pub fn round_in_place(x: &mut [f32]) {
 /// When the shapes disagree or a view reaches past its slice, or when oneDNN refuses a
 /// product it was set up for (a bug: the message names the shapes and oneDNN's status).
 pub fn gemm(dst: ViewMut<'_>, a: View<'_>, b: View<'_>, accumulate: bool, scale: f32) {
-    product(dst, a, Rhs::View(b), accumulate, scale, 1)
+    product(dst, Operand::F32(a), Rhs::Op(Operand::F32(b)), accumulate, scale, 1)
 }
 
 /// `dst (+)= scale · a @ b` in f32, on `threads` threads (or the cores
@@ -230,7 +477,7 @@ pub fn gemm_f32(dst: ViewMut<'_>, a: View<'_>, b: View<'_>, accumulate: bool, sc
         scale: scale.to_bits(),
         threads: product_threads(m, n, k, threads),
     };
-    SCRATCH.with(|s| {
+    let ran = SCRATCH.with(|s| {
         let prims = &mut s.borrow_mut().prims;
         run_cached(
             lib,
@@ -240,8 +487,11 @@ pub fn gemm_f32(dst: ViewMut<'_>, a: View<'_>, b: View<'_>, accumulate: bool, sc
             a.data.as_ptr().cast(),
             b.data.as_ptr().cast(),
             dst.data.as_mut_ptr(),
-        );
+        )
     });
+    if !ran {
+        cpu::gemm(dst, a, b, accumulate, scale);
+    }
 }
 
 /// [`gemm`] into a new `(a.rows, b.cols)` matrix.
@@ -351,30 +601,53 @@ impl Drop for Packed {
 /// [`gemm`] with a right-hand matrix converted beforehand, on `threads` threads (or the
 /// cores [`crate::cores::spread`] gives, when more).
 pub fn gemm_prepared(dst: ViewMut<'_>, a: View<'_>, b: &Matrix, accumulate: bool, scale: f32, threads: usize) {
-    product(dst, a, Rhs::Prepared(b), accumulate, scale, threads)
+    product(dst, Operand::F32(a), Rhs::Prepared(b), accumulate, scale, threads)
 }
 
-/// The right-hand side of a product: a view converted per call, or converted beforehand.
+/// The right-hand side of a product: an operand, or a matrix prepared beforehand.
 #[derive(Clone, Copy)]
 enum Rhs<'a> {
-    View(View<'a>),
+    Op(Operand<'a>),
     Prepared(&'a Matrix),
 }
 
+/// `b`'s values in f32, row-major: what the f32 fallback multiplies.
+fn widened(b: Bits<'_>) -> Vec<f32> {
+    let mut out = Vec::with_capacity(b.rows * b.cols);
+    for r in 0..b.rows {
+        out.extend((0..b.cols).map(|c| widen(b.data[r * b.rs + c * b.cs])));
+    }
+    out
+}
+
+/// `op` as an f32 view, widened into `buf` when it holds bf16 bits.
+fn as_f32<'a>(op: Operand<'a>, buf: &'a mut Vec<f32>) -> View<'a> {
+    match op {
+        Operand::F32(v) => v,
+        Operand::Bf16(b) => {
+            *buf = widened(b);
+            View::rows(buf, b.rows, b.cols)
+        }
+    }
+}
+
 /// The product on the process's path; `threads` at least (more inside `cores::spread`).
-fn product(dst: ViewMut<'_>, a: View<'_>, b: Rhs<'_>, accumulate: bool, scale: f32, threads: usize) {
+fn product(dst: ViewMut<'_>, a: Operand<'_>, b: Rhs<'_>, accumulate: bool, scale: f32, threads: usize) {
+    let (mut wa, mut wb) = (Vec::new(), Vec::new());
     let lib = match (backend().bf16_lib(), b) {
         (Some(lib), _) => lib,
-        (None, Rhs::View(b)) => return cpu::gemm(dst, a, b, accumulate, scale),
+        // Bits only exist where oneDNN runs the products; widened, for completeness.
+        (None, Rhs::Op(b)) => return cpu::gemm(dst, as_f32(a, &mut wa), as_f32(b, &mut wb), accumulate, scale),
         (None, Rhs::Prepared(p)) => {
-            return cpu::gemm(dst, a, View::rows(&p.f32, p.rows, p.cols), accumulate, scale);
+            let b = View::rows(&p.f32, p.rows, p.cols);
+            return cpu::gemm(dst, as_f32(a, &mut wa), b, accumulate, scale);
         }
     };
     let (brows, n) = match b {
-        Rhs::View(v) => (v.rows, v.cols),
+        Rhs::Op(v) => (v.rows(), v.cols()),
         Rhs::Prepared(p) => (p.rows, p.cols),
     };
-    let (m, k) = (a.rows, a.cols);
+    let (m, k) = (a.rows(), a.cols());
     assert!(
         brows == k && dst.rows == m && dst.cols == n,
         "bf16 gemm: ({m}×{k}) @ ({brows}×{n}) into ({}×{})",
@@ -387,10 +660,10 @@ fn product(dst: ViewMut<'_>, a: View<'_>, b: Rhs<'_>, accumulate: bool, scale: f
     if k == 0 || dst.cs != 1 {
         // Nothing to multiply (zeros or nothing added), or a destination oneDNN cannot
         // write: neither happens in the model's products.
-        let Rhs::View(b) = b else {
+        let Rhs::Op(b) = b else {
             panic!("bf16 gemm: a prepared ({k}×{n}) matrix with an empty inner dimension or into a strided destination")
         };
-        return cpu::gemm(dst, a, b, accumulate, scale);
+        return cpu::gemm(dst, as_f32(a, &mut wa), as_f32(b, &mut wb), accumulate, scale);
     }
     let end = (m - 1) * dst.rs + n;
     assert!(
@@ -398,6 +671,19 @@ fn product(dst: ViewMut<'_>, a: View<'_>, b: Rhs<'_>, accumulate: bool, scale: f
         "bf16 gemm: destination reaches element {end} of {}",
         dst.data.len()
     );
+    for op in [Some(a), if let Rhs::Op(b) = b { Some(b) } else { None }]
+        .into_iter()
+        .flatten()
+    {
+        if let Operand::Bf16(x) = op {
+            let need = extent(x.rows, x.cols, x.rs, x.cs);
+            assert!(
+                need <= x.data.len(),
+                "bf16 gemm: an operand reaches element {need} of {}",
+                x.data.len()
+            );
+        }
+    }
     SCRATCH.with(|s| {
         let mut s = s.borrow_mut();
         let Scratch {
@@ -405,12 +691,20 @@ fn product(dst: ViewMut<'_>, a: View<'_>, b: Rhs<'_>, accumulate: bool, scale: f
             b: bbuf,
             prims,
         } = &mut *s;
-        let la = convert(a, abuf);
-        let (lb, bptr, packed) = match b {
-            Rhs::View(v) => (convert(v, bbuf), bbuf.as_ptr(), None),
+        // Bits as they lie, or f32 values converted into this thread's buffer.
+        let operand = |op: Operand<'_>, buf: &mut Vec<u16>| match op {
+            Operand::F32(v) => (strides(convert(v, buf), v.rows, v.cols), buf.as_ptr()),
+            Operand::Bf16(x) => ([x.rs, x.cs], x.data.as_ptr()),
+        };
+        let (sa, aptr) = operand(a, abuf);
+        let (sb, bptr, packed) = match b {
+            Rhs::Op(v) => {
+                let (sb, bptr) = operand(v, bbuf);
+                (sb, bptr, None)
+            }
             Rhs::Prepared(p) => match &p.packed {
-                Some(pk) => (p.order, pk.data.as_ptr().cast::<u16>(), Some(&**pk)),
-                None => (p.order, p.bf16.as_ptr(), None),
+                Some(pk) => (strides(p.order, k, n), pk.data.as_ptr().cast::<u16>(), Some(&**pk)),
+                None => (strides(p.order, k, n), p.bf16.as_ptr(), None),
             },
         };
         let key = Key {
@@ -418,23 +712,34 @@ fn product(dst: ViewMut<'_>, a: View<'_>, b: Rhs<'_>, accumulate: bool, scale: f
             k,
             n,
             dtype: DNNL_BF16,
-            a: strides(la, m, k),
-            b: strides(lb, k, n),
+            a: sa,
+            b: sb,
             dst_rs: dst.rs,
             packed: packed.map_or(0, |pk| pk.md as usize),
             accumulate,
             scale: scale.to_bits(),
             threads: product_threads(m, n, k, threads),
         };
-        run_cached(
+        if !run_cached(
             lib,
             prims,
             key,
             packed.map(|pk| pk.md),
-            abuf.as_ptr(),
+            aptr,
             bptr,
             dst.data.as_mut_ptr(),
-        );
+        ) {
+            // A shape oneDNN has no real kernel for: the f32 product of the rounded inputs,
+            // which is what a bf16 product is (up to the order of its sums).
+            assert!(
+                packed.is_none(),
+                "bf16 gemm: no kernel for a packed ({k}×{n}) matrix at {m} rows"
+            );
+            #[allow(unsafe_code)]
+            // SAFETY: the operands converted or checked above, with these strides.
+            let (wa, wb) = unsafe { (widen_raw(aptr, m, k, sa), widen_raw(bptr, k, n, sb)) };
+            cpu::gemm(dst, View::rows(&wa, m, k), View::rows(&wb, k, n), accumulate, scale);
+        }
     });
 }
 
@@ -450,29 +755,51 @@ fn product_threads(m: usize, n: usize, k: usize, threads: usize) -> usize {
 }
 
 /// Runs `key`'s product on these buffers with the calling thread's cached primitive for
-/// it (made on first use; the cache is emptied when it holds 256).
+/// it (made on first use; the cache is emptied when it holds 256). `Ok(false)`: oneDNN
+/// offers only its reference kernel for this shape (a product with an inner dimension of
+/// 1, say), and nothing ran.
 fn run_cached(
     lib: &Lib,
-    prims: &mut HashMap<Key, Product>,
+    prims: &mut HashMap<Key, Option<Product>>,
     key: Key,
     packed: Option<*const c_void>,
     a: *const u16,
     b: *const u16,
     dst: *mut f32,
-) {
+) -> bool {
     let Key { m, k, n, .. } = key;
     lib.set_threads(key.threads);
     if !prims.contains_key(&key) {
         if prims.len() >= 256 {
             prims.clear();
         }
-        let p = lib
-            .product(&key, packed)
-            .unwrap_or_else(|e| panic!("oneDNN gemm ({m}×{k}) @ ({k}×{n}): {e}"));
+        let p = match lib.product(&key, packed) {
+            Ok(p) => Some(p),
+            Err(e) if e.contains(REFERENCE_ONLY) => None,
+            Err(e) => panic!("oneDNN gemm ({m}×{k}) @ ({k}×{n}): {e}"),
+        };
         prims.insert(key, p);
     }
-    lib.run(&prims[&key], a, b, dst)
+    let Some(p) = &prims[&key] else {
+        return false;
+    };
+    lib.run(p, a, b, dst)
         .unwrap_or_else(|e| panic!("oneDNN gemm ({m}×{k}) @ ({k}×{n}): {e}"));
+    true
+}
+
+/// The values of a `(rows, cols)` bf16 matrix at `data` with strides `st`, widened.
+///
+/// # Safety
+/// `data` must hold the matrix the strides describe.
+#[allow(unsafe_code)]
+unsafe fn widen_raw(data: *const u16, rows: usize, cols: usize, st: [usize; 2]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(rows * cols);
+    for r in 0..rows {
+        // SAFETY: the caller's contract.
+        out.extend((0..cols).map(|c| widen(unsafe { *data.add(r * st[0] + c * st[1]) })));
+    }
+    out
 }
 
 /// How a matrix lies in its converted buffer: row-major, or column-major (a transposed
@@ -559,7 +886,7 @@ struct Key {
 struct Scratch {
     a: Vec<u16>,
     b: Vec<u16>,
-    prims: HashMap<Key, Product>,
+    prims: HashMap<Key, Option<Product>>,
 }
 
 thread_local! {
@@ -616,7 +943,7 @@ fn choose() -> Backend {
     else {
         let tried: Vec<String> = candidates.iter().map(|c| c.display().to_string()).collect();
         return fallback(format!(
-            "oneDNN 2.x not found; tried {}; scripts/onednn.sh fetches it",
+            "oneDNN 3.x not found; tried {}; scripts/onednn.sh fetches it",
             tried.join(", ")
         ));
     };
@@ -651,7 +978,7 @@ fn choose() -> Backend {
                 lib.md(16, 16, DNNL_F32, [16, 1])?,
                 lib.md(16, 16, DNNL_F32, [16, 1])?,
             ];
-            let pd = lib.matmul_pd(mds.each_ref().map(|d| d.0.as_ptr().cast()), std::ptr::null_mut())?;
+            let pd = lib.matmul_pd(mds.each_ref().map(|d| d.ptr()), std::ptr::null_mut())?;
             // SAFETY: created just above, used no more.
             unsafe { (lib.destroy[PD])(pd) };
             Ok(())
@@ -686,9 +1013,9 @@ fn candidates() -> Vec<PathBuf> {
     c
 }
 
-const SONAME: &str = "libdnnl.so.2";
-/// Where Debian's packages put their libraries, under the directory they are unpacked in.
-const LIBDIR: &str = "usr/lib/x86_64-linux-gnu";
+const SONAME: &str = "libdnnl.so.3";
+/// Where the `onednn-cpu-gomp` wheel puts its library, under the directory it is unpacked in.
+const LIBDIR: &str = "onednn_cpu_gomp-2023.2.0.data/data/lib";
 const ISA_AVX512_CORE: c_int = 0x27;
 const ISA_AVX512_BF16: c_int = 0xe7;
 const ISA_AMX: c_int = 0x3e7;
@@ -702,6 +1029,9 @@ const FORMAT_TAG_ANY: c_int = 1;
 const ARG_SRC: c_int = 1;
 const ARG_DST: c_int = 17;
 const ARG_WEIGHTS: c_int = 33;
+const ARG_ATTR_SCALES: c_int = 4096;
+/// What [`Lib::matmul_pd`]'s error says when oneDNN has no real kernel for a product.
+const REFERENCE_ONLY: &str = "oneDNN offers only its reference kernel";
 /// Indices into [`Lib::destroy`].
 const PRIMITIVE: usize = 0;
 const STREAM: usize = 1;
@@ -713,17 +1043,23 @@ const POST_OPS: usize = 5;
 type Handle = *mut c_void;
 type Status = c_int;
 
-/// `dnnl_memory_desc_t` and `dnnl_matmul_desc_t` are structs in oneDNN 2.x (696 and 2800
-/// bytes in 2.6) that the API fills and reads through pointers only: room enough for both.
-#[repr(C, align(64))]
-struct Desc([u8; 8192]);
+/// A memory descriptor (`dnnl_memory_desc_t`, an object in oneDNN 3.x), destroyed on drop.
+struct Md<'l> {
+    lib: &'l Lib,
+    handle: Handle,
+}
 
-impl Desc {
-    fn new() -> Box<Desc> {
-        Box::new(Desc([0; 8192]))
+impl Md<'_> {
+    fn ptr(&self) -> *const c_void {
+        self.handle
     }
-    fn ptr(&mut self) -> *mut c_void {
-        self.0.as_mut_ptr().cast()
+}
+
+impl Drop for Md<'_> {
+    #[allow(unsafe_code)]
+    fn drop(&mut self) {
+        // SAFETY: a descriptor this value created and owns alone.
+        unsafe { (self.lib.md_destroy)(self.handle) };
     }
 }
 
@@ -747,20 +1083,27 @@ struct Lib {
     effective_cpu_isa: unsafe extern "C" fn() -> c_int,
     set_max_cpu_isa: unsafe extern "C" fn(c_int) -> Status,
     stream_create: unsafe extern "C" fn(*mut Handle, Handle, u32) -> Status,
-    md_init: unsafe extern "C" fn(*mut c_void, c_int, *const i64, c_int, *const i64) -> Status,
-    md_init_by_tag: unsafe extern "C" fn(*mut c_void, c_int, *const i64, c_int, c_int) -> Status,
+    md_create: unsafe extern "C" fn(*mut Handle, c_int, *const i64, c_int, *const i64) -> Status,
+    md_create_by_tag: unsafe extern "C" fn(*mut Handle, c_int, *const i64, c_int, c_int) -> Status,
+    md_destroy: unsafe extern "C" fn(Handle) -> Status,
     md_get_size: unsafe extern "C" fn(*const c_void) -> usize,
     pd_query_md: unsafe extern "C" fn(Handle, c_int, c_int) -> *const c_void,
     reorder_pd_create:
         unsafe extern "C" fn(*mut Handle, *const c_void, Handle, *const c_void, Handle, Handle) -> Status,
-    matmul_desc_init:
-        unsafe extern "C" fn(*mut c_void, *const c_void, *const c_void, *const c_void, *const c_void) -> Status,
+    matmul_pd_create: unsafe extern "C" fn(
+        *mut Handle,
+        Handle,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        Handle,
+    ) -> Status,
     attr_create: unsafe extern "C" fn(*mut Handle) -> Status,
-    attr_set_output_scales: unsafe extern "C" fn(Handle, i64, c_int, *const f32) -> Status,
+    attr_set_scales_mask: unsafe extern "C" fn(Handle, c_int, c_int) -> Status,
     attr_set_post_ops: unsafe extern "C" fn(Handle, Handle) -> Status,
     post_ops_create: unsafe extern "C" fn(*mut Handle) -> Status,
-    post_ops_append_sum: unsafe extern "C" fn(Handle, f32) -> Status,
-    pd_create: unsafe extern "C" fn(*mut Handle, *const c_void, Handle, Handle, Handle) -> Status,
+    post_ops_append_sum: unsafe extern "C" fn(Handle, f32, i32, c_int) -> Status,
     pd_query: unsafe extern "C" fn(Handle, c_int, c_int, *mut c_void) -> Status,
     primitive_create: unsafe extern "C" fn(*mut Handle, Handle) -> Status,
     memory_create: unsafe extern "C" fn(*mut Handle, *const c_void, Handle, *mut c_void) -> Status,
@@ -788,6 +1131,9 @@ struct Product {
     prim: Handle,
     stream: Handle,
     mem: [Handle; 3],
+    /// The scale's memory (over `scale`), null for a product of scale 1.
+    scale_mem: Handle,
+    scale: Box<f32>,
 }
 
 impl Drop for Product {
@@ -799,7 +1145,7 @@ impl Drop for Product {
             unsafe {
                 (lib.destroy[PRIMITIVE])(self.prim);
                 (lib.destroy[STREAM])(self.stream);
-                for m in self.mem {
+                for m in self.mem.into_iter().chain([self.scale_mem]) {
                     (lib.destroy[MEMORY])(m);
                 }
             }
@@ -845,14 +1191,6 @@ impl Lib {
             }
             Ok(h)
         };
-        // Debian's oneDNN needs libOpenCL.so.1 (its GPU runtime, unused here); an unpacked
-        // copy beside it is loaded first so the loader finds it by its soname.
-        if let Some(dir) = file.parent().filter(|d| !d.as_os_str().is_empty()) {
-            let ocl = dir.join("libOpenCL.so.1");
-            if ocl.exists() {
-                dl(&ocl)?;
-            }
-        }
         let h = dl(file)?;
         macro_rules! sym {
             ($name:literal) => {{
@@ -861,7 +1199,7 @@ impl Lib {
                 if p.is_null() {
                     return Err(format!("{}: no symbol {}", file.display(), $name));
                 }
-                // SAFETY: the symbol is oneDNN 2.x's function of that name, whose C
+                // SAFETY: the symbol is oneDNN 3.x's function of that name, whose C
                 // signature the field's type spells.
                 unsafe { fn_ptr(p) }
             }};
@@ -869,9 +1207,9 @@ impl Lib {
         let version: unsafe extern "C" fn() -> *const Version = sym!("dnnl_version");
         // SAFETY: dnnl_version returns a pointer to a static struct.
         let v = unsafe { &*version() };
-        if v.major != 2 {
+        if v.major != 3 {
             return Err(format!(
-                "{}: oneDNN {}.{}.{}; streamrl speaks the 2.x C API",
+                "{}: oneDNN {}.{}.{}; streamrl speaks the 3.x C API",
                 file.display(),
                 v.major,
                 v.minor,
@@ -890,18 +1228,18 @@ impl Lib {
             effective_cpu_isa: sym!("dnnl_get_effective_cpu_isa"),
             set_max_cpu_isa: sym!("dnnl_set_max_cpu_isa"),
             stream_create: sym!("dnnl_stream_create"),
-            md_init: sym!("dnnl_memory_desc_init_by_strides"),
-            md_init_by_tag: sym!("dnnl_memory_desc_init_by_tag"),
+            md_create: sym!("dnnl_memory_desc_create_with_strides"),
+            md_create_by_tag: sym!("dnnl_memory_desc_create_with_tag"),
+            md_destroy: sym!("dnnl_memory_desc_destroy"),
             md_get_size: sym!("dnnl_memory_desc_get_size"),
             pd_query_md: sym!("dnnl_primitive_desc_query_md"),
             reorder_pd_create: sym!("dnnl_reorder_primitive_desc_create"),
-            matmul_desc_init: sym!("dnnl_matmul_desc_init"),
+            matmul_pd_create: sym!("dnnl_matmul_primitive_desc_create"),
             attr_create: sym!("dnnl_primitive_attr_create"),
-            attr_set_output_scales: sym!("dnnl_primitive_attr_set_output_scales"),
+            attr_set_scales_mask: sym!("dnnl_primitive_attr_set_scales_mask"),
             attr_set_post_ops: sym!("dnnl_primitive_attr_set_post_ops"),
             post_ops_create: sym!("dnnl_post_ops_create"),
             post_ops_append_sum: sym!("dnnl_post_ops_append_sum"),
-            pd_create: sym!("dnnl_primitive_desc_create"),
             pd_query: sym!("dnnl_primitive_desc_query"),
             primitive_create: sym!("dnnl_primitive_create"),
             memory_create: sym!("dnnl_memory_create"),
@@ -923,38 +1261,39 @@ impl Lib {
     }
 
     /// A memory descriptor for a `(rows, cols)` matrix of `dtype` with these strides.
-    fn md(&self, rows: usize, cols: usize, dtype: c_int, strides: [usize; 2]) -> Result<Box<Desc>, String> {
-        let mut d = Desc::new();
+    fn md(&self, rows: usize, cols: usize, dtype: c_int, strides: [usize; 2]) -> Result<Md<'_>, String> {
+        let mut handle = std::ptr::null_mut();
         let dims = [rows as i64, cols as i64];
         let st = [strides[0] as i64, strides[1] as i64];
-        // SAFETY: d has room for a dnnl_memory_desc_t; dims and strides hold 2 values.
+        // SAFETY: creates a descriptor into a local handle; dims and strides hold 2 values.
         check(
-            unsafe { (self.md_init)(d.ptr(), 2, dims.as_ptr(), dtype, st.as_ptr()) },
-            "memory_desc_init",
+            unsafe { (self.md_create)(&mut handle, 2, dims.as_ptr(), dtype, st.as_ptr()) },
+            "memory_desc_create_with_strides",
         )?;
-        Ok(d)
+        Ok(Md { lib: self, handle })
     }
 
     /// The primitive for `key`'s product, its weights in the layout `packed` describes
     /// (else plain), refused unless oneDNN picked a real kernel.
     fn product(&self, key: &Key, packed: Option<*const c_void>) -> Result<Product, String> {
         let Key { m, k, n, .. } = *key;
-        let mut a = self.md(m, k, key.dtype, key.a)?;
-        let mut plain = self.md(k, n, key.dtype, key.b)?;
+        let a = self.md(m, k, key.dtype, key.a)?;
+        let plain = self.md(k, n, key.dtype, key.b)?;
         let b = packed.unwrap_or(plain.ptr());
-        let mut c = self.md(m, n, DNNL_F32, [key.dst_rs, 1])?;
+        let c = self.md(m, n, DNNL_F32, [key.dst_rs, 1])?;
+        let scaled = key.scale != 1f32.to_bits();
         let mut attr = std::ptr::null_mut();
         // SAFETY: attribute and post-op objects created into local handles and configured.
         unsafe {
             check((self.attr_create)(&mut attr), "primitive_attr_create")?;
-            if key.scale != 1f32.to_bits() {
-                let s = f32::from_bits(key.scale);
-                check((self.attr_set_output_scales)(attr, 1, 0, &s), "set_output_scales")?;
+            if scaled {
+                // One scale for the whole source, given at execution: a scaled product.
+                check((self.attr_set_scales_mask)(attr, ARG_SRC, 0), "set_scales_mask")?;
             }
             if key.accumulate {
                 let mut po = std::ptr::null_mut();
                 check((self.post_ops_create)(&mut po), "post_ops_create")?;
-                check((self.post_ops_append_sum)(po, 1.0), "post_ops_append_sum")?;
+                check((self.post_ops_append_sum)(po, 1.0, 0, 0), "post_ops_append_sum")?;
                 let set = (self.attr_set_post_ops)(attr, po);
                 (self.destroy[POST_OPS])(po);
                 check(set, "set_post_ops")?;
@@ -964,7 +1303,33 @@ impl Lib {
         // SAFETY: attr was created above; the descriptor kept a copy.
         unsafe { (self.destroy[ATTR])(attr) };
         let pd = pd?;
-        let made = self.instantiate(pd, [a.ptr(), b, c.ptr()]);
+        let made = self.instantiate(pd, [a.ptr(), b, c.ptr()]).and_then(|mut p| {
+            if scaled {
+                *p.scale = f32::from_bits(key.scale);
+                let mut one = Md {
+                    lib: self,
+                    handle: std::ptr::null_mut(),
+                };
+                // SAFETY: creates a one-element f32 descriptor into a local handle.
+                check(
+                    unsafe { (self.md_create)(&mut one.handle, 1, [1i64].as_ptr(), DNNL_F32, [1i64].as_ptr()) },
+                    "memory_desc_create_with_strides",
+                )?;
+                // SAFETY: a memory over the product's own boxed scale, which lives as long.
+                check(
+                    unsafe {
+                        (self.memory_create)(
+                            &mut p.scale_mem,
+                            one.ptr(),
+                            self.engine,
+                            (&mut *p.scale as *mut f32).cast(),
+                        )
+                    },
+                    "memory_create",
+                )?;
+            }
+            Ok(p)
+        });
         // SAFETY: pd was created above; the primitive keeps what it needs of it.
         unsafe { (self.destroy[PD])(pd) };
         made
@@ -973,17 +1338,11 @@ impl Lib {
     /// A matmul primitive descriptor over these memory descriptors (source, weights,
     /// destination; no bias), refused unless oneDNN picked a real kernel.
     fn matmul_pd(&self, [a, b, c]: [*const c_void; 3], attr: Handle) -> Result<Handle, String> {
-        let mut desc = Desc::new();
-        // SAFETY: the caller's descriptors are initialised; no bias.
-        check(
-            unsafe { (self.matmul_desc_init)(desc.ptr(), a, b, std::ptr::null(), c) },
-            "matmul_desc_init",
-        )?;
         let mut pd = std::ptr::null_mut();
-        // SAFETY: a matmul descriptor made above, the process's engine.
+        // SAFETY: the caller's descriptors are made; no bias; the process's engine.
         check(
-            unsafe { (self.pd_create)(&mut pd, desc.ptr(), attr, self.engine, std::ptr::null_mut()) },
-            "primitive_desc_create",
+            unsafe { (self.matmul_pd_create)(&mut pd, self.engine, a, b, std::ptr::null(), c, attr) },
+            "matmul_primitive_desc_create",
         )?;
         let mut impl_name: *const c_char = std::ptr::null();
         // SAFETY: the query writes a pointer to a string owned by pd.
@@ -1003,7 +1362,7 @@ impl Lib {
                 // SAFETY: pd was created above and is used no more.
                 unsafe { (self.destroy[PD])(pd) };
                 Err(format!(
-                    "oneDNN offers only its reference kernel for this product ({})",
+                    "{REFERENCE_ONLY} for this product ({})",
                     other.unwrap_or_else(|| "unnamed".into())
                 ))
             }
@@ -1031,7 +1390,13 @@ impl Lib {
                 )?;
             }
         }
-        Ok(Product { prim, stream, mem })
+        Ok(Product {
+            prim,
+            stream,
+            mem,
+            scale_mem: std::ptr::null_mut(),
+            scale: Box::new(1.0),
+        })
     }
 
     /// `data`, a `(rows, cols)` bf16 matrix lying in `order`, reordered into the layout
@@ -1039,16 +1404,19 @@ impl Lib {
     /// the left, and refused unless it also serves 1, 8, 256 and 2048 rows.
     fn pack(&self, rows: usize, cols: usize, order: Order, data: &[u16]) -> Result<Packed, String> {
         let (k, n) = (rows, cols);
-        let mut any = Desc::new();
+        let mut any = Md {
+            lib: self,
+            handle: std::ptr::null_mut(),
+        };
         let dims = [k as i64, n as i64];
-        // SAFETY: room for a descriptor; dims holds 2 values.
+        // SAFETY: creates a descriptor into a local handle; dims holds 2 values.
         check(
-            unsafe { (self.md_init_by_tag)(any.ptr(), 2, dims.as_ptr(), DNNL_BF16, FORMAT_TAG_ANY) },
-            "memory_desc_init_by_tag",
+            unsafe { (self.md_create_by_tag)(&mut any.handle, 2, dims.as_ptr(), DNNL_BF16, FORMAT_TAG_ANY) },
+            "memory_desc_create_with_tag",
         )?;
         let layout_for = |m: usize, b: *const c_void| -> Result<Handle, String> {
-            let mut a = self.md(m, k, DNNL_BF16, [k, 1])?;
-            let mut c = self.md(m, n, DNNL_F32, [n, 1])?;
+            let a = self.md(m, k, DNNL_BF16, [k, 1])?;
+            let c = self.md(m, n, DNNL_F32, [n, 1])?;
             self.matmul_pd([a.ptr(), b, c.ptr()], std::ptr::null_mut())
         };
         let chooser = layout_for(32, any.ptr())?;
@@ -1069,7 +1437,7 @@ impl Lib {
         // SAFETY: a descriptor oneDNN made.
         let size = unsafe { (self.md_get_size)(packed.md) };
         let mut out = vec![0u8; size];
-        let mut src = self.md(k, n, DNNL_BF16, strides(order, k, n))?;
+        let src = self.md(k, n, DNNL_BF16, strides(order, k, n))?;
         let (mut rpd, mut prim, mut stream) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
         let mut mem = [std::ptr::null_mut(); 2];
         // SAFETY: a reorder between two descriptors of the same (k, n) matrix on the
@@ -1169,8 +1537,13 @@ impl Lib {
                     arg: ARG_DST,
                     memory: p.mem[2],
                 },
+                ExecArg {
+                    arg: ARG_ATTR_SCALES | ARG_SRC,
+                    memory: p.scale_mem,
+                },
             ];
-            check((self.execute)(p.prim, p.stream, 3, args.as_ptr()), "primitive_execute")?;
+            let n = if p.scale_mem.is_null() { 3 } else { 4 };
+            check((self.execute)(p.prim, p.stream, n, args.as_ptr()), "primitive_execute")?;
             check((self.stream_wait)(p.stream), "stream_wait")
         }
     }

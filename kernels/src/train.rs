@@ -17,7 +17,7 @@
 
 use std::ops::Range;
 
-use crate::bf16::{self, Products};
+use crate::bf16::{Converted, Operand, Products};
 use crate::cores;
 use crate::cpu::{self, View, ViewMut};
 
@@ -212,22 +212,6 @@ impl AttnShape {
     fn probs(&self, q: &[f32], k: &[f32], mask: &[f32], spans: &[Range<usize>], (r, h): (usize, usize), p: &mut [f32]) {
         let (t, hd) = (self.seq, self.hd);
         let (qo, ko) = self.offsets(r, h);
-        if self.products == Products::Bf16 {
-            let qv = self.view(q, qo, self.heads, 0..t);
-            let kv = self.view(k, ko, self.kv_heads, 0..t);
-            bf16::gemm(ViewMut::rows(p, t, t), qv, kv.t(), false, self.scale);
-            let m = self.mask_of(mask, r);
-            for ((row, mrow), span) in p.chunks_exact_mut(t).zip(m.chunks_exact(t)).zip(spans) {
-                row[..span.start].fill(0.0);
-                row[span.end..].fill(0.0);
-                let s = &mut row[span.clone()];
-                for (x, &a) in s.iter_mut().zip(&mrow[span.clone()]) {
-                    *x += a;
-                }
-                cpu::softmax_in_place(s);
-            }
-            return;
-        }
         // This head's keys transposed, (hd, seq): each query's scores are then rows of
         // fused multiply-adds across its keys at once.
         let mut kt = vec![0f32; hd * t];
@@ -257,6 +241,61 @@ impl AttnShape {
     }
 }
 
+/// A batch row's `q`, `k`, `v` (and, for the backward, the output's gradient) as bf16
+/// products read them: converted once for every head's products, each head's rows a dense
+/// block of its own (oneDNN's fast kernels take dense matrices only). Products write
+/// into dense scratch too, copied into place after ([`scatter`]).
+struct Heads<'a> {
+    q: Converted<'a>,
+    k: Converted<'a>,
+    v: Converted<'a>,
+}
+
+impl<'a> Heads<'a> {
+    fn new(s: &AttnShape, q: &'a [f32], k: &'a [f32], v: &'a [f32]) -> Heads<'a> {
+        let blocks = |x: &'a [f32], heads: usize| s.products.convert_blocks(View::rows(x, s.seq, heads * s.hd), s.hd);
+        Heads {
+            q: blocks(q, s.heads),
+            k: blocks(k, s.kv_heads),
+            v: blocks(v, s.kv_heads),
+        }
+    }
+
+    /// [`AttnShape::probs`] for bf16 products: the scores as one product per head.
+    fn probs(
+        &self,
+        s: &AttnShape,
+        (q, k): (&[f32], &[f32]),
+        mask: &[f32],
+        spans: &[Range<usize>],
+        h: usize,
+        p: &mut [f32],
+    ) {
+        let t = s.seq;
+        let (qo, ko) = s.offsets(0, h);
+        let qh = self.q.of(s.view(q, qo, s.heads, 0..t));
+        let kh = self.k.of(s.view(k, ko, s.kv_heads, 0..t));
+        s.products.gemm_op(ViewMut::rows(p, t, t), qh, kh.t(), false, s.scale);
+        for ((row, mrow), span) in p.chunks_exact_mut(t).zip(mask.chunks_exact(t)).zip(spans) {
+            row[..span.start].fill(0.0);
+            row[span.end..].fill(0.0);
+            let x = &mut row[span.clone()];
+            for (x, &a) in x.iter_mut().zip(&mrow[span.clone()]) {
+                *x += a;
+            }
+            cpu::softmax_in_place(x);
+        }
+    }
+}
+
+/// Copies the dense `(rows, width)` matrix `src` into `dst` from element `at` on, its rows
+/// `rs` apart.
+fn scatter(src: &[f32], width: usize, dst: &mut [f32], at: usize, rs: usize) {
+    for (i, row) in src.chunks_exact(width).enumerate() {
+        dst[at + i * rs..][..width].copy_from_slice(row);
+    }
+}
+
 /// Attention forward: `out (batch, seq, heads, hd) = softmax(scale · q kᵀ + mask) v` per head.
 ///
 /// Each token's output equals, to the bit, what [`cpu::attend`] gives for it from a cache
@@ -283,6 +322,9 @@ pub fn attention_forward(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], mask: &[
 
 /// [`attention_forward`] of one batch row (`s.batch == 1`).
 fn attention_forward_row(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], mask: &[f32], out: &mut [f32]) {
+    if s.products == Products::Bf16 {
+        return attention_forward_row_bf16(s, q, k, v, mask, out);
+    }
     let (t, hd) = (s.seq, s.hd);
     let stride = s.kv_heads * hd;
     let mut p = vec![0f32; t * t];
@@ -291,11 +333,6 @@ fn attention_forward_row(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], mask: &[
         for h in 0..s.heads {
             s.probs(q, k, mask, &spans, (r, h), &mut p);
             let (qo, ko) = s.offsets(r, h);
-            if s.products == Products::Bf16 {
-                let vv = s.view(v, ko, s.kv_heads, 0..t);
-                bf16::gemm(s.view_mut(out, qo, s.heads, 0..t), View::rows(&p, t, t), vv, false, 1.0);
-                continue;
-            }
             cpu::with_fma(
                 #[inline(always)]
                 || {
@@ -307,6 +344,27 @@ fn attention_forward_row(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], mask: &[
                 },
             );
         }
+    }
+}
+
+/// [`attention_forward_row`] with bf16 products ([`Heads`]).
+fn attention_forward_row_bf16(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], mask: &[f32], out: &mut [f32]) {
+    let (t, hd) = (s.seq, s.hd);
+    let heads = Heads::new(&s, q, k, v);
+    let spans = s.spans(mask, 0);
+    let (mut p, mut o) = (vec![0f32; t * t], vec![0f32; t * hd]);
+    for h in 0..s.heads {
+        heads.probs(&s, (q, k), mask, &spans, h, &mut p);
+        let (qo, ko) = s.offsets(0, h);
+        let vh = heads.v.of(s.view(v, ko, s.kv_heads, 0..t));
+        s.products.gemm_op(
+            ViewMut::rows(&mut o, t, hd),
+            Operand::F32(View::rows(&p, t, t)),
+            vh,
+            false,
+            1.0,
+        );
+        scatter(&o, hd, out, qo, s.heads * hd);
     }
 }
 
@@ -375,6 +433,9 @@ type QkvMut<'a> = (&'a mut [f32], &'a mut [f32], &'a mut [f32]);
 
 /// [`attention_backward`] of one batch row (`s.batch == 1`).
 fn attention_backward_row(s: AttnShape, (q, k, v): Qkv, mask: &[f32], dout: &[f32], (dq, dk, dv): QkvMut) {
+    if s.products == Products::Bf16 {
+        return attention_backward_row_bf16(s, (q, k, v), mask, dout, (dq, dk, dv));
+    }
     let t = s.seq;
     let (hq, hk) = (s.heads, s.kv_heads);
     dk.fill(0.0);
@@ -424,6 +485,68 @@ fn attention_backward_row(s: AttnShape, (q, k, v): Qkv, mask: &[f32], dout: &[f3
                 );
             }
         }
+    }
+}
+
+/// `ds = p ∘ (dp − rowsum(p ∘ dp))` in place of `dp`, row by row (`dp` rows `m` wide, `p`'s
+/// `t` apart).
+fn softmax_grad_rows(p: &[f32], t: usize, dp: &mut [f32], m: usize) {
+    for (i, dr) in dp.chunks_exact_mut(m).enumerate() {
+        let pr = &p[i * t..][..m];
+        let c: f32 = pr.iter().zip(dr.iter()).map(|(a, b)| a * b).sum();
+        for (d, &pv) in dr.iter_mut().zip(pr) {
+            *d = pv * (*d - c);
+        }
+    }
+}
+
+/// [`attention_backward_row`] with bf16 products ([`Heads`]): each kv head's `dk` and
+/// `dv` summed densely over its query heads, each head's `dq` densely, then copied into
+/// place.
+fn attention_backward_row_bf16(s: AttnShape, (q, k, v): Qkv, mask: &[f32], dout: &[f32], (dq, dk, dv): QkvMut) {
+    let (t, hd, hq, hk) = (s.seq, s.hd, s.heads, s.kv_heads);
+    let pr = s.products;
+    let heads = Heads::new(&s, q, k, v);
+    let dc = pr.convert_blocks(View::rows(dout, t, hq * hd), hd);
+    let spans = s.spans(mask, 0);
+    let blocks = blocks(&spans);
+    let mut p = vec![0f32; t * t];
+    let mut dp = vec![0f32; t * t];
+    let mut dqh = vec![0f32; t * hd];
+    let (mut dkd, mut dvd) = (vec![0f32; hk * t * hd], vec![0f32; hk * t * hd]);
+    for h in 0..hq {
+        heads.probs(&s, (q, k), mask, &spans, h, &mut p);
+        let (qo, ko) = s.offsets(0, h);
+        let g = h / (hq / hk);
+        let (dkg, dvg) = (&mut dkd[g * t * hd..][..t * hd], &mut dvd[g * t * hd..][..t * hd]);
+        for (rows, keys) in &blocks {
+            let (n, m) = (rows.len(), keys.len());
+            let at = rows.start * t + keys.start;
+            let pb = pr.convert(View::block(&p[at..], n, m, t).t());
+            let doh = dc.of(s.view(dout, qo, hq, rows.clone()));
+            // dv += pᵀ dout
+            let dvb = ViewMut::rows(&mut dvg[keys.start * hd..][..m * hd], m, hd);
+            pr.gemm_op(dvb, pb.all(), doh, true, 1.0);
+            // dp = dout vᵀ; ds = p ∘ (dp − rowsum(p ∘ dp))
+            let dpb = &mut dp[..n * m];
+            let vb = heads.v.of(s.view(v, ko, hk, keys.clone()));
+            pr.gemm_op(ViewMut::rows(dpb, n, m), doh, vb.t(), false, 1.0);
+            softmax_grad_rows(&p[at..], t, dpb, m);
+            // dq = scale · ds k; dk += scale · dsᵀ q (ds converted once for both)
+            let ds = pr.convert(View::rows(dpb, n, m));
+            let kb = heads.k.of(s.view(k, ko, hk, keys.clone()));
+            let dqb = ViewMut::rows(&mut dqh[rows.start * hd..][..n * hd], n, hd);
+            pr.gemm_op(dqb, ds.all(), kb, false, s.scale);
+            let qb = heads.q.of(s.view(q, qo, hq, rows.clone()));
+            let dkb = ViewMut::rows(&mut dkg[keys.start * hd..][..m * hd], m, hd);
+            pr.gemm_op(dkb, ds.all().t(), qb, true, s.scale);
+        }
+        scatter(&dqh, hd, dq, qo, hq * hd);
+    }
+    for g in 0..hk {
+        let ko = g * hd;
+        scatter(&dkd[g * t * hd..][..t * hd], hd, dk, ko, hk * hd);
+        scatter(&dvd[g * t * hd..][..t * hd], hd, dv, ko, hk * hd);
     }
 }
 
