@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use candle_core::backend::BackendStorage as _;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Shape, Storage, Tensor};
-use streamrl_kernels::bf16::Products;
+use streamrl_kernels::bf16::{Operand, Products};
 use streamrl_kernels::{cpu, train};
 
 type CResult<T> = candle_core::Result<T>;
@@ -261,10 +261,12 @@ impl Fused2 for Linear {
             candle_core::bail!("linear: the weight {wd:?} must be a matrix")
         };
         let rows = x.len() / inp.max(1);
-        let gv = cpu::View::rows(g, rows, out);
+        // The output gradient converted once for both products.
+        let gc = self.0.convert(cpu::View::rows(g, rows, out));
+        let (w, x) = (cpu::View::rows(w, out, inp), cpu::View::rows(x, rows, inp));
         Ok([
-            self.0.gemm_new(gv, cpu::View::rows(w, out, inp), 1.0),
-            self.0.gemm_new(gv.t(), cpu::View::rows(x, rows, inp), 1.0),
+            self.0.gemm_op_new(gc.all(), Operand::F32(w), 1.0),
+            self.0.gemm_op_new(gc.all().t(), Operand::F32(x), 1.0),
         ])
     }
 }
@@ -328,10 +330,12 @@ struct Swiglu {
 
 impl Swiglu {
     fn pre(&self, x: &[f32], gate: &[f32], up: &[f32], rows: usize, inp: usize, ff: usize) -> (Vec<f32>, Vec<f32>) {
-        let xv = cpu::View::rows(x, rows, inp);
+        // The input converted once for both products.
+        let xc = self.products.convert(cpu::View::rows(x, rows, inp));
+        let weight = |w| Operand::F32(cpu::View::rows(w, ff, inp).t());
         (
-            self.products.gemm_new(xv, cpu::View::rows(gate, ff, inp).t(), 1.0),
-            self.products.gemm_new(xv, cpu::View::rows(up, ff, inp).t(), 1.0),
+            self.products.gemm_op_new(xc.all(), weight(gate), 1.0),
+            self.products.gemm_op_new(xc.all(), weight(up), 1.0),
         )
     }
 }
@@ -380,21 +384,25 @@ impl Fused3 for Swiglu {
         let mut dg = vec![0f32; g.len()];
         let mut du = vec![0f32; u.len()];
         train::silu_mul_backward(g, u, ys, &mut dg, &mut du);
-        let (dgv, duv) = (cpu::View::rows(&dg, rows, ff), cpu::View::rows(&du, rows, ff));
+        // Each gradient and the input converted once for the products that read them.
         let p = self.products;
-        let mut dx = p.gemm_new(dgv, cpu::View::rows(gw, ff, inp), 1.0);
-        p.gemm(
+        let (dgc, duc) = (
+            p.convert(cpu::View::rows(&dg, rows, ff)),
+            p.convert(cpu::View::rows(&du, rows, ff)),
+        );
+        let xc = p.convert(cpu::View::rows(xs, rows, inp));
+        let mut dx = p.gemm_op_new(dgc.all(), Operand::F32(cpu::View::rows(gw, ff, inp)), 1.0);
+        p.gemm_op(
             cpu::ViewMut::rows(&mut dx, rows, inp),
-            duv,
-            cpu::View::rows(uw, ff, inp),
+            duc.all(),
+            Operand::F32(cpu::View::rows(uw, ff, inp)),
             true,
             1.0,
         );
-        let xv = cpu::View::rows(xs, rows, inp);
         Ok([
             Grad::Values(dx),
-            Grad::Values(p.gemm_new(dgv.t(), xv, 1.0)),
-            Grad::Values(p.gemm_new(duv.t(), xv, 1.0)),
+            Grad::Values(p.gemm_op_new(dgc.all().t(), xc.all(), 1.0)),
+            Grad::Values(p.gemm_op_new(duc.all().t(), xc.all(), 1.0)),
         ])
     }
 }
