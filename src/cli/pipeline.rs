@@ -145,7 +145,7 @@ pub async fn stage(a: StageArgs) -> Result<()> {
     }
     if matches!(decl.kind, StageKind::Trainer | StageKind::Rollout) {
         // Steps and decoding reuse their freed buffers (see main.rs); the other kinds keep
-        // malloc's defaults: with the trim threshold raised, the archive's compaction
+        // malloc's defaults: with heap trimming off, the archive's compaction
         // passes left ~40 MiB more resident each (`streamrl soak`).
         streamrl_kernels::alloc::retain_freed_memory();
     }
