@@ -36,7 +36,7 @@
 //! let mut y = [0f32; 4];
 //! bf16::gemm(cpu::ViewMut::rows(&mut y, 2, 2), cpu::View::rows(&a, 2, 2), cpu::View::rows(&b, 2, 2), false, 1.0);
 //! assert_eq!(y, [-1.0, 4.5, -1.0, 9.5]);
-//! println!("{}", bf16::describe()); // e.g. "bf16 products: AVX-512 BF16 (oneDNN 2.6.3, …)"
+//! println!("{}", bf16::describe()); // e.g. "bf16 products: AMX tiles (oneDNN 3.2.0 from …); …"
 //! ```
 
 use std::cell::RefCell;
