@@ -426,15 +426,6 @@ impl<'a> Converted<'a> {
     }
 }
 
-/// The last element a `(rows, cols)` view with these strides touches, plus one.
-fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
-    if rows == 0 || cols == 0 {
-        0
-    } else {
-        (rows - 1) * rs + (cols - 1) * cs + 1
-    }
-}
-
 /// `dst = scale · a @ b`, or `dst += scale · a @ b` when `accumulate`, with `a` and `b`
 /// rounded to bf16 and the products summed in f32, on the units [`path`] names (in f32 on
 /// the fallback). Shapes and strides as [`cpu::gemm`]'s.
@@ -637,6 +628,23 @@ fn as_f32<'a>(op: Operand<'a>, buf: &'a mut Vec<f32>) -> View<'a> {
     }
 }
 
+/// `op`'s bits as they lie, or its f32 values converted into `buf`.
+fn bits_of<'a>(op: Operand<'a>, buf: &'a mut Vec<u16>) -> Bits<'a> {
+    match op {
+        Operand::F32(v) => {
+            let [rs, cs] = strides(convert(v, buf), v.rows, v.cols);
+            Bits {
+                data: buf,
+                rows: v.rows,
+                cols: v.cols,
+                rs,
+                cs,
+            }
+        }
+        Operand::Bf16(x) => x,
+    }
+}
+
 /// The product on the process's path; `threads` at least (more inside `cores::spread`).
 fn product(dst: ViewMut<'_>, a: Operand<'_>, b: Rhs<'_>, accumulate: bool, scale: f32, threads: usize) {
     let (mut wa, mut wb) = (Vec::new(), Vec::new());
@@ -682,7 +690,7 @@ fn product(dst: ViewMut<'_>, a: Operand<'_>, b: Rhs<'_>, accumulate: bool, scale
         .flatten()
     {
         if let Operand::Bf16(x) = op {
-            let need = extent(x.rows, x.cols, x.rs, x.cs);
+            let need = cpu::extent(x.rows, x.cols, x.rs, x.cs);
             assert!(
                 need <= x.data.len(),
                 "bf16 gemm: an operand reaches element {need} of {}",
@@ -697,29 +705,30 @@ fn product(dst: ViewMut<'_>, a: Operand<'_>, b: Rhs<'_>, accumulate: bool, scale
             b: bbuf,
             prims,
         } = &mut *s;
-        // Bits as they lie, or f32 values converted into this thread's buffer.
-        let operand = |op: Operand<'_>, buf: &mut Vec<u16>| match op {
-            Operand::F32(v) => (strides(convert(v, buf), v.rows, v.cols), buf.as_ptr()),
-            Operand::Bf16(x) => ([x.rs, x.cs], x.data.as_ptr()),
-        };
-        let (sa, aptr) = operand(a, abuf);
-        let (sb, bptr, packed) = match b {
-            Rhs::Op(v) => {
-                let (sb, bptr) = operand(v, bbuf);
-                (sb, bptr, None)
+        let ab = bits_of(a, abuf);
+        // The right-hand side as bits, or (packed) oneDNN's blocked layout of it.
+        let (bb, packed) = match b {
+            Rhs::Op(v) => (bits_of(v, bbuf), None),
+            Rhs::Prepared(p) => {
+                let [rs, cs] = strides(p.order, k, n);
+                let plain = Bits {
+                    data: &p.bf16,
+                    rows: k,
+                    cols: n,
+                    rs,
+                    cs,
+                };
+                (plain, p.packed.as_deref())
             }
-            Rhs::Prepared(p) => match &p.packed {
-                Some(pk) => (strides(p.order, k, n), pk.data.as_ptr().cast::<u16>(), Some(&**pk)),
-                None => (strides(p.order, k, n), p.bf16.as_ptr(), None),
-            },
         };
+        let bptr = packed.map_or(bb.data.as_ptr(), |pk| pk.data.as_ptr().cast::<u16>());
         let key = Key {
             m,
             k,
             n,
             dtype: DNNL_BF16,
-            a: sa,
-            b: sb,
+            a: [ab.rs, ab.cs],
+            b: [bb.rs, bb.cs],
             dst_rs: dst.rs,
             packed: packed.map_or(0, |pk| pk.md as usize),
             accumulate,
@@ -731,7 +740,7 @@ fn product(dst: ViewMut<'_>, a: Operand<'_>, b: Rhs<'_>, accumulate: bool, scale
             prims,
             key,
             packed.map(|pk| pk.md),
-            aptr,
+            ab.data.as_ptr(),
             bptr,
             dst.data.as_mut_ptr(),
         ) {
@@ -741,9 +750,7 @@ fn product(dst: ViewMut<'_>, a: Operand<'_>, b: Rhs<'_>, accumulate: bool, scale
                 packed.is_none(),
                 "bf16 gemm: no kernel for a packed ({k}×{n}) matrix at {m} rows"
             );
-            #[allow(unsafe_code)]
-            // SAFETY: the operands converted or checked above, with these strides.
-            let (wa, wb) = unsafe { (widen_raw(aptr, m, k, sa), widen_raw(bptr, k, n, sb)) };
+            let (wa, wb) = (widened(ab), widened(bb));
             cpu::gemm(dst, View::rows(&wa, m, k), View::rows(&wb, k, n), accumulate, scale);
         }
     });
@@ -792,20 +799,6 @@ fn run_cached(
     lib.run(p, a, b, dst)
         .unwrap_or_else(|e| panic!("oneDNN gemm ({m}×{k}) @ ({k}×{n}): {e}"));
     true
-}
-
-/// The values of a `(rows, cols)` bf16 matrix at `data` with strides `st`, widened.
-///
-/// # Safety
-/// `data` must hold the matrix the strides describe.
-#[allow(unsafe_code)]
-unsafe fn widen_raw(data: *const u16, rows: usize, cols: usize, st: [usize; 2]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(rows * cols);
-    for r in 0..rows {
-        // SAFETY: the caller's contract.
-        out.extend((0..cols).map(|c| widen(unsafe { *data.add(r * st[0] + c * st[1]) })));
-    }
-    out
 }
 
 /// How a matrix lies in its converted buffer: row-major, or column-major (a transposed

@@ -287,7 +287,7 @@ impl<'a> ViewMut<'a> {
 }
 
 /// The last element a `(rows, cols)` view with these strides touches, plus one.
-fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
+pub(crate) fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
     if rows == 0 || cols == 0 {
         0
     } else {

@@ -459,14 +459,7 @@ fn attention_backward_row(s: AttnShape, (q, k, v): Qkv, mask: &[f32], dout: &[f3
                 // dp = dout vᵀ; ds = p ∘ (dp − rowsum(p ∘ dp))
                 let dpb = ViewMut::block(&mut dp[at..], n, m, t);
                 pr.gemm(dpb, doh, s.view(v, ko, hk, keys.clone()).t(), false, 1.0);
-                for i in 0..n {
-                    let pr = &p[at + i * t..][..m];
-                    let dr = &mut dp[at + i * t..][..m];
-                    let c: f32 = pr.iter().zip(dr.iter()).map(|(a, b)| a * b).sum();
-                    for (d, &pv) in dr.iter_mut().zip(pr) {
-                        *d = pv * (*d - c);
-                    }
-                }
+                softmax_grad_rows(&p[at..], &mut dp[at..], (n, m), (t, t));
                 // dq = scale · ds k; dk += scale · dsᵀ q
                 let ds = View::block(&dp[at..], n, m, t);
                 pr.gemm(
@@ -488,11 +481,12 @@ fn attention_backward_row(s: AttnShape, (q, k, v): Qkv, mask: &[f32], dout: &[f3
     }
 }
 
-/// `ds = p ∘ (dp − rowsum(p ∘ dp))` in place of `dp`, row by row (`dp` rows `m` wide, `p`'s
-/// `t` apart).
-fn softmax_grad_rows(p: &[f32], t: usize, dp: &mut [f32], m: usize) {
-    for (i, dr) in dp.chunks_exact_mut(m).enumerate() {
-        let pr = &p[i * t..][..m];
+/// `ds = p ∘ (dp − rowsum(p ∘ dp))` in place of `dp`, over `n` rows of `m`; the rows of `p`
+/// and of `dp` are `rs.0` and `rs.1` elements apart.
+fn softmax_grad_rows(p: &[f32], dp: &mut [f32], (n, m): (usize, usize), rs: (usize, usize)) {
+    for i in 0..n {
+        let pr = &p[i * rs.0..][..m];
+        let dr = &mut dp[i * rs.1..][..m];
         let c: f32 = pr.iter().zip(dr.iter()).map(|(a, b)| a * b).sum();
         for (d, &pv) in dr.iter_mut().zip(pr) {
             *d = pv * (*d - c);
@@ -531,7 +525,7 @@ fn attention_backward_row_bf16(s: AttnShape, (q, k, v): Qkv, mask: &[f32], dout:
             let dpb = &mut dp[..n * m];
             let vb = heads.v.of(s.view(v, ko, hk, keys.clone()));
             pr.gemm_op(ViewMut::rows(dpb, n, m), doh, vb.t(), false, 1.0);
-            softmax_grad_rows(&p[at..], t, dpb, m);
+            softmax_grad_rows(&p[at..], dpb, (n, m), (t, m));
             // dq = scale · ds k; dk += scale · dsᵀ q (ds converted once for both)
             let ds = pr.convert(View::rows(dpb, n, m));
             let kb = heads.k.of(s.view(k, ko, hk, keys.clone()));
