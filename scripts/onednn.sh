@@ -13,10 +13,13 @@ version=2023.2.0
 dir=${1:-${STREAMRL_TOOLS_DIR:-target/test-tools}/onednn}
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
-lib=$dir/onednn_cpu_gomp-$version.data/data/lib/libdnnl.so.3
+# The library lands in DIR/lib, whatever the wheel's version (where streamrl looks).
+lib=$dir/lib/libdnnl.so.3
 if [[ ! -e $lib ]]; then
     python3 -m pip download --quiet --no-deps "onednn-cpu-gomp==$version" -d "$dir/wheel" >&2
-    python3 -m zipfile -e "$dir/wheel/onednn_cpu_gomp-$version-"*.whl "$dir"
+    python3 -m zipfile -e "$dir/wheel/onednn_cpu_gomp-$version-"*.whl "$dir/wheel"
+    rm -rf "$dir/lib"
+    mv "$dir/wheel/onednn_cpu_gomp-$version.data/data/lib" "$dir/lib"
     rm -rf "$dir/wheel"
 fi
 echo "$lib"

@@ -1025,8 +1025,8 @@ fn candidates() -> Vec<PathBuf> {
 }
 
 const SONAME: &str = "libdnnl.so.3";
-/// Where the `onednn-cpu-gomp` wheel puts its library, under the directory it is unpacked in.
-const LIBDIR: &str = "onednn_cpu_gomp-2023.2.0.data/data/lib";
+/// Where `scripts/onednn.sh` puts the library, under the directory it unpacks into.
+const LIBDIR: &str = "lib";
 const ISA_AVX512_CORE: c_int = 0x27;
 const ISA_AVX512_BF16: c_int = 0xe7;
 const ISA_AMX: c_int = 0x3e7;
